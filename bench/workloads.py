@@ -1,0 +1,45 @@
+"""Reproducible benchmark workloads: lists of (prompt token ids, new tokens)."""
+
+from __future__ import annotations
+
+import random
+
+Workload = list[tuple[list[int], int]]
+
+
+def mixed_64(vocab_size: int) -> Workload:
+    """64 requests, prompts and outputs of 16-256 tokens (DESIGN.md's reference workload)."""
+    lengths = random.Random(1234)
+    sizes = []
+    for _ in range(64):
+        prompt_len = lengths.randint(16, 256)
+        sizes.append((prompt_len, lengths.randint(16, 256)))
+    ids = random.Random(5678)
+    return [([ids.randrange(100, vocab_size) for _ in range(p)], n) for p, n in sizes]
+
+
+def long_prompt(vocab_size: int, max_batch_tokens: int = 256) -> Workload:
+    """8 prompts of 3-6x the token budget, short outputs: exercises chunked prefill."""
+    rng = random.Random(42)
+    return [([rng.randrange(100, vocab_size) for _ in range(rng.randint(3, 6) * max_batch_tokens)], 32) for _ in range(8)]
+
+
+def shared_prefix(vocab_size: int) -> Workload:
+    """64 requests sharing a 512-token system prompt, each with its own 32-token question."""
+    rng = random.Random(7)
+    system = [rng.randrange(100, vocab_size) for _ in range(512)]
+    return [(system + [rng.randrange(100, vocab_size) for _ in range(32)], 64) for _ in range(64)]
+
+
+def sharegpt_like(vocab_size: int) -> Workload:
+    """64 requests with a chat-like length mix: log-normal prompts (median ~100) and outputs (median ~150)."""
+    rng = random.Random(2024)
+    out = []
+    for _ in range(64):
+        p = min(1024, max(4, int(rng.lognormvariate(4.6, 0.8))))
+        n = min(512, max(4, int(rng.lognormvariate(5.0, 0.6))))
+        out.append(([rng.randrange(100, vocab_size) for _ in range(p)], n))
+    return out
+
+
+WORKLOADS = {"mixed-64": mixed_64, "long-prompt": long_prompt, "shared-prefix": shared_prefix, "sharegpt-like": sharegpt_like}

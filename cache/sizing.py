@@ -1,0 +1,45 @@
+"""Solve for the number of KV-cache blocks that fits in free memory."""
+
+from __future__ import annotations
+
+import torch
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the cache: free device memory on CUDA, available RAM on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read available memory; pass EngineConfig(num_blocks=...)")
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Keys and values of one block across every layer."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def step_overhead_bytes(
+    max_batch_tokens: int, max_requests: int, hidden_size: int, intermediate_size: int, vocab_size: int,
+    num_heads: int, dtype: torch.dtype,
+) -> int:
+    """Memory one step needs besides the cache: activations of `max_batch_tokens`, logits, index tensors."""
+    activations = max_batch_tokens * (4 * hidden_size + 3 * intermediate_size + 2 * num_heads * 64)
+    logits = max_requests * vocab_size * 2  # logits plus a sampling copy
+    index_tensors = max_batch_tokens * 8 * 4
+    return (activations + logits) * dtype.itemsize + index_tensors
+
+
+def solve_num_blocks(per_block: int, overhead: int, memory_percent: float, device: torch.device) -> int:
+    """Largest block count whose cache plus one step's overhead fits under `memory_percent` of free memory."""
+    budget = int(available_memory(device) * memory_percent) - overhead
+    n = budget // per_block - 2  # two blocks are reserved for padding
+    if n < 1:
+        raise RuntimeError(
+            f"not enough free memory for a KV cache: {budget / 2**20:.0f} MiB left after a step's overhead; "
+            "lower max_batch_tokens or pass num_blocks"
+        )
+    return n

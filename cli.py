@@ -1,0 +1,79 @@
+"""The `jitney` command: generate, bench, setup."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import anyio
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jitney import Engine, EngineConfig, Request, SamplingParams
+
+    engine = Engine.from_pretrained(args.model, config=EngineConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks))
+    tok = engine.tokenizer
+    prompt: str | list[int] = args.prompt
+    if not args.raw and tok is not None and tok.chat_template:
+        prompt = list(tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)["input_ids"])
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+    async def run() -> None:
+        async with engine:
+            async for token in engine.stream(Request(prompt, params)):
+                sys.stdout.write(token.text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+
+    anyio.run(run)
+    return 0
+
+
+def _setup(args: argparse.Namespace) -> int:
+    from jitney.core.models import embedded_checkpoint
+
+    print(embedded_checkpoint())
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from jitney.bench.run import main as bench_main
+
+    return bench_main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jitney", description="continuous-batching inference for HF causal LMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream an answer to one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="smollm2", help='a local checkpoint directory, or "smollm2" (default)')
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-batch-tokens", type=int, default=256)
+    gen.add_argument("--num-blocks", type=int, default=256)
+    gen.set_defaults(func=_generate)
+
+    setup = sub.add_parser("setup", help="convert the embedded SmolLM2 once and print where it is cached")
+    setup.set_defaults(func=_setup)
+
+    bench = sub.add_parser("bench", help="compare jitney with transformers on a workload")
+    from jitney.bench.run import add_arguments
+
+    add_arguments(bench)
+    bench.set_defaults(func=_bench)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"jitney: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Engine configuration: one validated msgspec Struct whose field names follow the seed engine."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the engine batches, caches and schedules.
+
+    Every value is validated when the config is built (directly or with `EngineConfig.from_dict`); a bad
+    value raises `ValueError` naming the field, an unknown field raises `TypeError` / `ValueError` naming it.
+    """
+
+    block_size: Annotated[int, Meta(ge=4)] = 16
+    """Tokens per KV-cache block."""
+    num_blocks: PositiveInt | None = None
+    """Blocks in the KV cache; `None` solves for it from free memory under `max_memory_percent`."""
+    max_batch_tokens: PositiveInt = 256
+    """Query tokens in one forward pass (prompts longer than what is left are chunked)."""
+    max_memory_percent: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.9
+    """Share of free device memory (CPU: available RAM) the cache sizing may use."""
+    max_requests_per_batch: PositiveInt = 64
+    """Requests in one forward pass (bounds the logits tensor)."""
+    scheduler: str = "fifo"
+    """Name of a registered scheduler plugin."""
+    safety_margin: Annotated[float, Meta(ge=0.0, lt=1.0)] | None = None
+    """Share of blocks kept free before a new prefill may start; `None` takes the scheduler's default."""
+    allow_block_sharing: bool = True
+    """Prefix caching, where every layer is full attention."""
+    cpu_offload_space: Annotated[float, Meta(ge=0.0)] = 0.0
+    """GiB of host memory for swapped-out requests (0 disables it)."""
+    q_padding_interval_size: Annotated[int, Meta(ge=0)] = 0
+    """CUDA graphs: query lengths are padded to a multiple of this (0 = off)."""
+    kv_padding_interval_size: Annotated[int, Meta(ge=0)] = 0
+    """CUDA graphs: KV lengths are padded to a multiple of this (0 = off)."""
+    use_cuda_graph: bool | None = None
+    """`None` auto-detects (on only on CUDA)."""
+    use_async_batching: bool | None = None
+    """`None` auto-detects (on only with CUDA graphs)."""
+    eviction: str = "mru"
+    """Name of the eviction policy for cached prefix blocks."""
+    offload_backend: str = "cpu"
+    """Name of the offload backend for requests swapped out under memory pressure."""
+    attention_backend: str | None = None
+    """Name of a registered attention backend; `None` chooses by device."""
+
+    def __post_init__(self) -> None:
+        # msgspec checks constraints only when converting; building the Struct directly does not, so check
+        # each field against its annotated type here and name the field in the error.
+        for field in msgspec.structs.fields(self):
+            value = getattr(self, field.name)
+            try:
+                msgspec.convert(value, field.type, strict=True)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"EngineConfig.{field.name}: {exc} (got {value!r})") from None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
+        """Build a config from plain data (a parsed JSON/TOML file, CLI flags); unknown keys are errors."""
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"EngineConfig: {exc}") from None

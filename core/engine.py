@@ -1,0 +1,358 @@
+"""The engine: an async API over a step loop that schedules, runs the model on a worker thread, and streams."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable
+
+import anyio
+import torch
+
+from jitney.cache.manager import CacheManager
+from jitney.cache.sizing import bytes_per_block, solve_num_blocks, step_overhead_bytes
+from jitney.core import events as ev
+from jitney.core.config import EngineConfig
+from jitney.core.detokenizer import Detokenizer
+from jitney.core.executor import StepExecutor
+from jitney.core.hooks import Registry, make_plugin_manager
+from jitney.core.models import load_model
+from jitney.core.request import Completion, Request, RequestError, RequestStatus, Token
+from jitney.core.sequence import Sequence
+from jitney.kernels.base import ATTN_NAME
+
+log = logging.getLogger("jitney")
+
+
+class Engine:
+    """Continuous batching over one model. Use it as ``async with Engine.from_pretrained(...) as engine``."""
+
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, plugins: Iterable[object] = ()):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config = config or EngineConfig()
+        self.plugins = make_plugin_manager(plugins)
+        hook = self.plugins.hook
+        self.scheduler = Registry("scheduler", hook.jitney_register_schedulers).create(config.scheduler, config)
+        mc = model.config.get_text_config()
+        self.max_context = getattr(mc, "max_position_embeddings", None) or math.inf
+        self.vocab_size = mc.vocab_size
+        param = next(model.parameters())
+        backend_name = config.attention_backend or "torch"
+        backend = Registry("attention backend", hook.jitney_register_attention_backends).create(backend_name, param.device)
+        self.cache = self._build_cache(mc, param.dtype, param.device)
+        self.executor = StepExecutor(model, self.cache, backend)
+        self.stop_ids = _stop_ids(model, tokenizer)
+        self.waiting: list[Sequence] = []
+        self.active: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self.step_count = 0
+        self.preemptions = 0
+        self._arrivals = 0
+        self._events: list[ev.Event] = []
+        self._wake = anyio.Event()
+        self._running = False
+        self._task_group = None
+        self._saved_attn = None
+
+    @classmethod
+    def from_pretrained(cls, model, config: EngineConfig | None = None, tokenizer=None, plugins: Iterable[object] = ()):
+        """`model`: a local checkpoint directory, "smollm2" (the embedded default), or a `PreTrainedModel`."""
+        model, tokenizer = load_model(model, tokenizer)
+        return cls(model, tokenizer, config, plugins)
+
+    def _build_cache(self, mc, dtype: torch.dtype, device: torch.device) -> CacheManager:
+        cfg = self.config
+        heads = mc.num_attention_heads
+        kv_heads = getattr(mc, "num_key_value_heads", None) or heads
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
+        layers = mc.num_hidden_layers
+        num_blocks = cfg.num_blocks
+        if num_blocks is None:
+            overhead = step_overhead_bytes(
+                cfg.max_batch_tokens, cfg.max_requests_per_batch, mc.hidden_size,
+                getattr(mc, "intermediate_size", 4 * mc.hidden_size), mc.vocab_size, heads, dtype,
+            )
+            per_block = bytes_per_block(layers, cfg.block_size, kv_heads, head_dim, dtype)
+            num_blocks = solve_num_blocks(per_block, overhead, cfg.max_memory_percent, device)
+        return CacheManager(layers, kv_heads, head_dim, cfg.block_size, num_blocks, dtype, device)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> "Engine":
+        self._saved_attn = self.model.config._attn_implementation
+        self.model.set_attn_implementation(ATTN_NAME)
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        self._running = True
+        self._task_group.start_soon(self._loop)
+        self.plugins.hook.jitney_engine_started(engine=self)
+        return self
+
+    async def __aexit__(self, *exc_info) -> bool | None:
+        self._running = False
+        for seq in list(self.requests.values()):
+            self.abort(seq.request_id)
+        self._wake.set()
+        try:
+            return await self._task_group.__aexit__(*exc_info)
+        finally:
+            self._flush_events()
+            self.model.set_attn_implementation(self._saved_attn)
+            self.plugins.hook.jitney_engine_stopped(engine=self)
+
+    # -- the public API --------------------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> Sequence:
+        """Validate and queue a request; a bad request raises here, before anything is allocated."""
+        if not self._running:
+            raise RuntimeError("the engine is not running: use `async with engine:` first")
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        prompt_ids = self._encode(request.prompt)
+        total = len(prompt_ids) + request.params.max_new_tokens
+        if total > self.max_context:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({request.params.max_new_tokens}) exceeds "
+                f"the model's context of {self.max_context} tokens"
+            )
+        if self.cache.blocks_needed(request.request_id, total) > self.cache.num_blocks:
+            raise ValueError(
+                f"request needs {total} tokens of cache; the whole cache holds "
+                f"{self.cache.num_blocks * self.cache.block_size} (raise num_blocks or lower max_new_tokens)"
+            )
+        stop = frozenset() if request.params.ignore_eos else frozenset(request.params.stop_token_ids or self.stop_ids)
+        seq = Sequence(request, prompt_ids, stop, self._arrivals)
+        self._arrivals += 1
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+        self._events.append(ev.RequestQueued(t=seq.t_queued, request_id=seq.request_id,
+                                             prompt_tokens=len(prompt_ids), max_new_tokens=request.params.max_new_tokens))
+        self._wake.set()
+        return seq
+
+    def stream(self, request: Request) -> "TokenStream":
+        """Submit `request` and stream its tokens: ``async for token in engine.stream(req)``.
+
+        Leaving the loop early (break, cancellation) aborts the request and frees its cache.
+        """
+        return TokenStream(self, self.submit(request))
+
+    async def generate(self, request: Request) -> Completion:
+        """Submit `request` and wait for its completion."""
+        async with self.stream(request) as tokens:
+            async for _ in tokens:
+                pass
+            return tokens.completion()
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request and return its blocks to the pool at once.
+
+        Safe while its forward runs: blocks are only handed out again when the next step is scheduled, after
+        that forward has finished; its sampled token is then dropped.
+        """
+        seq = self.requests.get(request_id)
+        if seq is None or seq.status.done:
+            return False
+        self._finish(seq, "cancelled")
+        return True
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.cache.num_free_blocks
+
+    # -- the step loop ---------------------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while self._running or self.requests:
+            if not (self.waiting or self.active):
+                self._flush_events()
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                continue
+            await self._step()
+
+    async def _step(self) -> None:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule(self.waiting, self.active, self.cache)
+        while not batch.entries:
+            # Nothing fits: drop the newest active request's cache (soft reset) and try again.
+            if len(self.active) < 2:
+                raise RuntimeError("scheduler produced an empty batch with the cache free")  # submit() prevents this
+            self._soft_reset(self.active[-1])
+            batch = self.scheduler.schedule(self.waiting, self.active, self.cache)
+        admitted = {s.request_id for s, _ in batch.entries if s.status is RequestStatus.PENDING}
+        if admitted:
+            self.waiting = [s for s in self.waiting if s.request_id not in admitted]
+        for seq, n in batch.entries:
+            if seq.status is RequestStatus.PENDING:
+                seq.status = RequestStatus.PREFILLING
+                self.active.append(seq)
+                self._events.append(ev.PrefillStarted(t=t0, request_id=seq.request_id))
+        try:
+            prepared = self.executor.prepare(batch.entries)
+            tokens = await anyio.to_thread.run_sync(self.executor.forward, prepared)
+        except Exception as exc:  # a failing forward fails its batch, not the engine
+            log.exception("forward pass failed")
+            for seq, _ in batch.entries:
+                if not seq.status.done:
+                    self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            return
+        self._apply(batch.entries, tokens)
+        self.step_count += 1
+        prefill = sum(n for s, n in batch.entries if n > 1)
+        self._events.append(ev.StepCompleted(
+            t=time.perf_counter(), step=self.step_count, requests=len(batch.entries), prefill_tokens=prefill,
+            decode_tokens=batch.num_tokens - prefill, forward_s=self.executor.forward_s,
+            step_s=time.perf_counter() - t0, waiting=len(self.waiting), running=len(self.active),
+            free_blocks=self.cache.num_free_blocks, total_blocks=self.cache.num_blocks,
+        ))
+        self._flush_events()
+
+    def _apply(self, entries: list[tuple[Sequence, int]], tokens: list[int | None]) -> None:
+        now = time.perf_counter()
+        for (seq, n), tok in zip(entries, tokens):
+            if seq.status.done:  # aborted while its forward ran
+                continue
+            seq.num_computed += n
+            if tok is None:
+                self._events.append(ev.PrefillChunk(t=now, request_id=seq.request_id, tokens=n, computed=seq.num_computed))
+                continue
+            seq.output_ids.append(tok)
+            if seq.t_first_token is None:
+                seq.t_first_token = now
+                seq.status = RequestStatus.DECODING
+                self._events.append(ev.FirstToken(t=now, request_id=seq.request_id, ttft=now - seq.t_queued))
+            self._events.append(ev.TokensGenerated(t=now, request_id=seq.request_id, tokens=1, total=len(seq.output_ids)))
+            seq.deliver([tok])
+            if tok in seq.stop_ids:
+                self._finish(seq, "stop")
+            elif len(seq.output_ids) >= seq.params.max_new_tokens:
+                self._finish(seq, "length")
+
+    def _soft_reset(self, seq: Sequence) -> None:
+        """Free a request's cache and queue it again; it will prefill its prompt and outputs so far."""
+        self.cache.release(seq.request_id)
+        self.active.remove(seq)
+        seq.num_computed = 0
+        seq.status = RequestStatus.PENDING
+        self.waiting.append(seq)
+        self.waiting.sort(key=lambda s: s.arrival)
+        self.preemptions += 1
+        self._events.append(ev.RequestSoftReset(t=time.perf_counter(), request_id=seq.request_id, tokens=seq.num_tokens))
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        self.cache.release(seq.request_id)
+        if seq in self.active:
+            self.active.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.requests.pop(seq.request_id, None)
+        seq.finish_reason, seq.error = reason, error
+        seq.status = {"error": RequestStatus.FAILED, "cancelled": RequestStatus.CANCELLED}.get(reason, RequestStatus.FINISHED)
+        now = time.perf_counter()
+        if error is not None:
+            self._events.append(ev.RequestFailed(t=now, request_id=seq.request_id, error=error))
+        self._events.append(ev.RequestFinished(
+            t=now, request_id=seq.request_id, finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
+            output_tokens=len(seq.output_ids), latency=now - seq.t_queued,
+        ))
+        seq.deliver([])
+
+    def _flush_events(self) -> None:
+        if not self._events:
+            return
+        batch, self._events = self._events, []
+        try:
+            self.plugins.hook.jitney_on_events(events=batch, engine=self)
+        except Exception:
+            log.exception("an observer of jitney_on_events failed")
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+def _stop_ids(model, tokenizer) -> tuple[int, ...]:
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+class TokenStream:
+    """The tokens of one request, as an async iterator and an async context manager.
+
+    Leaving early — `break`, an exception, cancellation — aborts the request and frees its cache. A request
+    that failed raises `RequestError` after the tokens it produced.
+    """
+
+    def __init__(self, engine: Engine, seq: Sequence):
+        self.engine = engine
+        self.seq = seq
+        self.request_id = seq.request_id
+        self._detok = Detokenizer(engine.tokenizer)
+        self._buffer: list[int] = []
+
+    def __aiter__(self) -> "TokenStream":
+        return self
+
+    async def __anext__(self) -> Token:
+        seq = self.seq
+        try:
+            while not self._buffer:
+                self._buffer = seq.take()
+                if self._buffer:
+                    break
+                if seq.status.done:
+                    if seq.status is RequestStatus.FAILED:
+                        raise RequestError(f"request {seq.request_id} failed: {seq.error}")
+                    raise StopAsyncIteration
+                await seq.ready.wait()
+        except BaseException as exc:
+            if not isinstance(exc, (StopAsyncIteration, RequestError)):
+                self.engine.abort(seq.request_id)
+            raise
+        tok = self._buffer.pop(0)
+        return Token(tok, self._detok.add(tok))
+
+    async def __aenter__(self) -> "TokenStream":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.engine.abort(self.seq.request_id)
+
+    def __del__(self) -> None:
+        # `async for t in engine.stream(r): break` drops the stream at once: abort there too.
+        seq = getattr(self, "seq", None)
+        if seq is not None and not seq.status.done and self.engine._running:
+            self.engine.abort(seq.request_id)
+
+    def completion(self) -> Completion:
+        seq = self.seq
+        if not seq.status.done:
+            raise RuntimeError("the request has not finished")
+        return Completion(
+            request_id=seq.request_id, prompt=seq.request.prompt, prompt_token_ids=seq.prompt_ids,
+            token_ids=list(seq.output_ids), text=self.engine.decode(seq.output_ids),
+            finish_reason=seq.finish_reason or "cancelled", error=seq.error,
+        )

@@ -1,0 +1,89 @@
+"""Lifecycle events: frozen msgspec Structs in one tagged union, published once per step.
+
+Observers receive each step's list through the `jitney_on_events` hook; the structs encode to JSON or
+msgpack (`msgspec.json.encode(event)`) for traces, the tag naming the event type.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class Event(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Base of all events; `t` is `time.perf_counter()` when it happened."""
+
+    t: float
+
+
+class RequestQueued(Event, frozen=True):
+    request_id: str
+    prompt_tokens: int
+    max_new_tokens: int
+
+
+class PrefillStarted(Event, frozen=True):
+    request_id: str
+    cached_tokens: int = 0
+
+
+class PrefillChunk(Event, frozen=True):
+    request_id: str
+    tokens: int
+    """Prompt tokens computed in this step."""
+    computed: int
+    """Tokens in the cache after this step."""
+
+
+class FirstToken(Event, frozen=True):
+    request_id: str
+    ttft: float
+    """Seconds from queueing to the first token."""
+
+
+class TokensGenerated(Event, frozen=True):
+    request_id: str
+    tokens: int
+    total: int
+
+
+class RequestFinished(Event, frozen=True):
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    output_tokens: int
+    latency: float
+
+
+class RequestFailed(Event, frozen=True):
+    request_id: str
+    error: str
+
+
+class RequestSoftReset(Event, frozen=True):
+    """The request's cache was dropped to free blocks; it re-queues with its outputs appended to its prompt."""
+
+    request_id: str
+    tokens: int
+
+
+class StepCompleted(Event, frozen=True):
+    step: int
+    requests: int
+    prefill_tokens: int
+    decode_tokens: int
+    forward_s: float
+    """Seconds inside the model forward and sampling."""
+    step_s: float
+    """Seconds for the whole step, scheduling and bookkeeping included."""
+    waiting: int
+    running: int
+    free_blocks: int
+    total_blocks: int
+
+
+AnyEvent = Union[
+    RequestQueued, PrefillStarted, PrefillChunk, FirstToken, TokensGenerated, RequestFinished, RequestFailed,
+    RequestSoftReset, StepCompleted,
+]

@@ -1,0 +1,93 @@
+"""The step executor: one flat forward over every scheduled token, then sampling."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from jitney.cache.manager import CacheManager
+from jitney.core.request import SamplingParams
+from jitney.core.sampling import sample
+from jitney.core.sequence import Sequence
+from jitney.kernels.base import STEP_KWARG, AttentionBackend, StepInputs
+
+
+@dataclass
+class PreparedStep:
+    """One step's inputs, built before the forward runs."""
+
+    num_entries: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    keep: torch.Tensor
+    step: StepInputs
+    sampled_entries: list[int]
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+
+
+class StepExecutor:
+    """Runs a batch through the model. Called on a worker thread, never on the event loop's."""
+
+    def __init__(self, model: torch.nn.Module, cache: CacheManager, backend: AttentionBackend):
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.device = next(model.parameters()).device
+        self.forward_s = 0.0  # time of the latest forward + sampling
+
+    def prepare(self, entries: list[tuple[Sequence, int]]) -> PreparedStep:
+        """Build the step's input tensors, on the event loop's thread: after this, the forward reads nothing
+        that the loop may change (an abort can free a request's blocks while its forward runs)."""
+        # Rows with one query token (decodes) go first: the backend batches them in one call.
+        order = sorted(range(len(entries)), key=lambda i: entries[i][1] != 1)
+        ids: list[int] = []
+        positions: list[int] = []
+        qlens, ctx, sampled_rows, sampled_entries = [], [], [], []
+        for i in order:
+            seq, n = entries[i]
+            start = seq.num_computed
+            ids.extend(seq.tokens(start, start + n))
+            positions.extend(range(start, start + n))
+            qlens.append(n)
+            ctx.append(start + n)
+            if start + n == seq.num_tokens:
+                sampled_rows.append(len(ids) - 1)
+                sampled_entries.append(i)
+        cache = self.cache
+        tables = []
+        for g in range(len(cache.groups)):
+            rows = [cache.block_table(entries[i][0].request_id, g) for i in order]
+            width = max(len(r) for r in rows)
+            tables.append(torch.tensor([r + [cache.pools[g].padding_block] * (width - len(r)) for r in rows], device=self.device))
+        pos = torch.tensor(positions, device=self.device)
+        step = StepInputs(
+            query_lens=qlens, context_lens=ctx, num_decodes=sum(1 for n in qlens if n == 1), positions=pos,
+            block_tables=tables, group_of_layer=cache.group_of_layer, block_size=cache.block_size,
+            padding_slot=cache.padding_slot, keys=cache.keys, values=cache.values,
+        )
+        seqs = [entries[i][0] for i in sampled_entries]
+        return PreparedStep(
+            num_entries=len(entries), input_ids=torch.tensor([ids], device=self.device), positions=pos,
+            keep=torch.tensor(sampled_rows or [len(ids) - 1], device=self.device), step=step,
+            sampled_entries=sampled_entries, params=[s.params for s in seqs], generators=[s.generator for s in seqs],
+        )
+
+    def forward(self, prepared: PreparedStep) -> list[int | None]:
+        """Run the model; return, per entry, its sampled token or None (its prompt is not finished yet)."""
+        t0 = time.perf_counter()
+        p = prepared
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=p.input_ids, position_ids=p.positions[None], use_cache=False, logits_to_keep=p.keep,
+                **{STEP_KWARG: self.backend.prepare(p.step)},
+            )
+            result: list[int | None] = [None] * p.num_entries
+            if p.sampled_entries:
+                tokens = sample(out.logits[0], p.params, p.generators)
+                for i, tok in zip(p.sampled_entries, tokens):
+                    result[i] = tok
+        self.forward_s = time.perf_counter() - t0
+        return result

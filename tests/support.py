@@ -1,0 +1,41 @@
+"""Test helpers: tiny random models built from a config, reference outputs, random workloads."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_mistral(seed: int = 0, window: int = 8) -> MistralForCausalLM:
+    torch.manual_seed(seed)
+    config = MistralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=512, sliding_window=window,
+    )
+    return MistralForCausalLM(config).eval()
+
+
+def reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy fp32 tokens from `model.generate`, end-of-sequence ignored."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def random_requests(n: int, vocab: int, max_prompt: int = 60, max_new: int = 24, seed: int = 0):
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(1, max_prompt))], rng.randint(1, max_new)) for _ in range(n)]

@@ -1,0 +1,61 @@
+"""The torch paged-attention backend against dense attention, on random ragged steps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from jitney.cache import CacheManager
+from jitney.kernels import StepInputs, TorchPagedAttention
+
+
+def dense(q, k, v, qpos, window):
+    """Reference: q [H, n, D] at absolute positions `qpos` over k/v [KVH, L, D] of one sequence."""
+    heads, kvh = q.shape[0], k.shape[0]
+    k, v = k.repeat_interleave(heads // kvh, 0), v.repeat_interleave(heads // kvh, 0)
+    scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
+    kpos = torch.arange(k.shape[1])
+    allowed = kpos[None, :] <= qpos[:, None]
+    if window is not None:
+        allowed &= kpos[None, :] > qpos[:, None] - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, -1) @ v  # [H, n, D]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_matches_dense(block_size, heads, kv_heads, window):
+    torch.manual_seed(block_size * 100 + heads * 10 + kv_heads)
+    dim = 8
+    cache = CacheManager(1, kv_heads, dim, block_size, 64, torch.float32, torch.device("cpu"))
+    # (cached tokens, new tokens): decodes first, then prefill chunks, some continuing a cached prefix.
+    shapes = [(5, 1), (17, 1), (0, 1), (0, 9), (6, 3), (13, 7)]
+    full_k = [torch.randn(kv_heads, c + n, dim) for c, n in shapes]
+    full_v = [torch.randn(kv_heads, c + n, dim) for c, n in shapes]
+    for i, (c, n) in enumerate(shapes):
+        assert cache.reserve(str(i), c + n)
+        if c:  # earlier steps wrote the cached part
+            slots = torch.tensor([cache.block_table(str(i), 0)[p // block_size] * block_size + p % block_size for p in range(c)])
+            cache.keys[0][slots] = full_k[i][:, :c].transpose(0, 1)
+            cache.values[0][slots] = full_v[i][:, :c].transpose(0, 1)
+    tables = [cache.block_table(str(i), 0) for i in range(len(shapes))]
+    width = max(map(len, tables))
+    step = StepInputs(
+        query_lens=[n for _, n in shapes], context_lens=[c + n for c, n in shapes], num_decodes=3,
+        positions=torch.cat([torch.arange(c, c + n) for c, n in shapes]),
+        block_tables=[torch.tensor([t + [64] * (width - len(t)) for t in tables])], group_of_layer=[0],
+        block_size=block_size, padding_slot=cache.padding_slot, keys=cache.keys, values=cache.values,
+    )
+    q = torch.randn(1, heads, step.positions.numel(), dim)
+    k = torch.cat([fk[:, c:] for fk, (c, _) in zip(full_k, shapes)], 1)[None]
+    v = torch.cat([fv[:, c:] for fv, (c, _) in zip(full_v, shapes)], 1)[None]
+    out = TorchPagedAttention().prepare(step)(0, q, k, v, dim ** -0.5, window)
+    assert out.shape == (1, step.positions.numel(), heads, dim)
+    row = 0
+    for i, (c, n) in enumerate(shapes):
+        want = dense(q[0, :, row : row + n], full_k[i], full_v[i], torch.arange(c, c + n), window)
+        torch.testing.assert_close(out[0, row : row + n].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
+        row += n

@@ -1,0 +1,49 @@
+"""The block pool and cache manager: reserved padding blocks, all-or-nothing admission, release."""
+
+from __future__ import annotations
+
+import torch
+
+from jitney.cache import BlockPool, CacheManager, LayerGroup
+
+
+def make_cache(num_blocks: int = 8, groups=None) -> CacheManager:
+    return CacheManager(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, num_blocks=num_blocks,
+                        dtype=torch.float32, device=torch.device("cpu"), groups=groups)
+
+
+def test_pool_never_hands_out_the_padding_blocks():
+    pool = BlockPool(5)
+    ids = pool.allocate(5)
+    assert sorted(ids) == [0, 1, 2, 3, 4]
+    assert pool.padding_block == 5 and pool.num_free == 0
+
+
+def test_reserve_grows_by_whole_blocks_and_release_returns_them():
+    cache = make_cache()
+    assert cache.reserve("a", 5)  # 2 blocks
+    assert cache.num_free_blocks == 6
+    assert cache.reserve("a", 8)  # still 2 blocks
+    assert cache.num_free_blocks == 6
+    assert cache.reserve("a", 9)
+    assert len(cache.block_table("a", 0)) == 3
+    cache.release("a")
+    assert cache.num_free_blocks == 8
+
+
+def test_admission_allocates_nothing_unless_every_group_fits():
+    groups = [LayerGroup("full", (0,)), LayerGroup("sliding", (1,))]
+    cache = make_cache(num_blocks=4, groups=groups)
+    cache.pools[1].allocate(3)  # the sliding group is nearly full
+    assert not cache.reserve("a", 8)  # needs 2 blocks in each group
+    assert cache.pools[0].num_free == 4  # the full group gave nothing
+    assert not cache.holds("a")
+    assert cache.reserve("b", 4)
+    assert cache.pools[0].num_free == 3 and cache.pools[1].num_free == 0
+
+
+def test_padding_blocks_read_as_zeros():
+    cache = make_cache()
+    pad = cache.padding_slot
+    assert torch.count_nonzero(cache.keys[0][pad:]) == 0
+    assert cache.keys[0].shape[0] == (8 + 2) * 4

@@ -1,0 +1,188 @@
+"""The engine end to end on a tiny random Llama: same tokens as `generate`, streaming, aborts, bad input."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from support import random_requests, reference, tiny_mistral
+
+from jitney import Engine, EngineConfig, Request, RequestError, SamplingParams
+from jitney.core import events as ev
+from jitney.core.hooks import hookimpl
+
+
+async def run_all(engine: Engine, requests: list[Request]):
+    results = {}
+
+    async def one(req: Request) -> None:
+        results[req.request_id] = await engine.generate(req)
+
+    async with anyio.create_task_group() as tg:
+        for req in requests:
+            tg.start_soon(one, req)
+    return [results[r.request_id] for r in requests]
+
+
+def greedy(prompt, n):
+    return Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
+
+
+async def test_concurrent_chunked_requests_match_generate(llama):
+    work = random_requests(20, llama.config.vocab_size, max_prompt=70)
+    refs = [reference(llama, p, n) for p, n in work]
+    # 16 query tokens per step: most prompts are split across several steps.
+    async with Engine(llama, config=EngineConfig(max_batch_tokens=16, block_size=4, num_blocks=400)) as engine:
+        done = await run_all(engine, [greedy(p, n) for p, n in work])
+        assert engine.num_free_blocks == 400
+    for (prompt, n), ref, out in zip(work, refs, done):
+        assert out.token_ids == ref
+        assert out.finish_reason == "length"
+        assert out.prompt_token_ids == prompt
+
+
+async def test_sliding_window_model_matches_generate():
+    model = tiny_mistral(window=8)
+    work = random_requests(6, model.config.vocab_size, max_prompt=30, max_new=20, seed=3)
+    refs = [reference(model, p, n) for p, n in work]
+    async with Engine(model, config=EngineConfig(max_batch_tokens=12, block_size=4, num_blocks=200)) as engine:
+        done = await run_all(engine, [greedy(p, n) for p, n in work])
+    assert [d.token_ids for d in done] == refs
+
+
+async def test_soft_reset_under_a_small_cache_keeps_tokens(llama):
+    work = random_requests(8, llama.config.vocab_size, max_prompt=20, max_new=30, seed=5)
+    refs = [reference(llama, p, n) for p, n in work]
+    seen = []
+
+    class Recorder:
+        @hookimpl
+        def jitney_on_events(self, events, engine):
+            seen.extend(e for e in events if isinstance(e, ev.RequestSoftReset))
+
+    # 16 blocks of 4 tokens: far less than the 8 requests need together.
+    config = EngineConfig(max_batch_tokens=32, block_size=4, num_blocks=16, safety_margin=0.0)
+    async with Engine(llama, config=config, plugins=[Recorder()]) as engine:
+        done = await run_all(engine, [greedy(p, n) for p, n in work])
+        assert engine.num_free_blocks == 16
+    assert [d.token_ids for d in done] == refs
+    assert seen, "the cache was too small for all requests: some must have been reset"
+
+
+async def test_first_token_streams_before_the_request_finishes(llama):
+    ref = reference(llama, [5, 6, 7], 20)
+    async with Engine(llama, config=EngineConfig(num_blocks=64)) as engine:
+        stream = engine.stream(greedy([5, 6, 7], 20))
+        first = await stream.__anext__()
+        assert not stream.seq.status.done
+        rest = [t.token_id async for t in stream]
+    assert [first.token_id] + rest == ref
+
+
+async def test_breaking_out_of_a_stream_frees_its_blocks(llama):
+    ref = reference(llama, [1, 2, 3], 4)
+    async with Engine(llama, config=EngineConfig(num_blocks=64, block_size=4)) as engine:
+        start = engine.num_free_blocks
+        async for _ in engine.stream(greedy(list(range(10, 40)), 100)):
+            break
+        assert engine.num_free_blocks == start  # freed at once, not when the request would have ended
+        # the engine keeps serving
+        done = await engine.generate(greedy([1, 2, 3], 4))
+    assert done.token_ids == ref
+
+
+async def test_cancelling_a_consumer_aborts_its_request(llama):
+    async with Engine(llama, config=EngineConfig(num_blocks=64, block_size=4)) as engine:
+        start = engine.num_free_blocks
+        got = []
+
+        async def consume() -> None:
+            async with engine.stream(greedy(list(range(10, 40)), 200)) as stream:
+                async for tok in stream:
+                    got.append(tok)
+
+        with anyio.move_on_after(0.3):
+            await consume()
+        assert got
+        assert not engine.requests
+        assert engine.num_free_blocks == start
+
+
+async def test_abort_by_id(llama):
+    async with Engine(llama, config=EngineConfig(num_blocks=64)) as engine:
+        req = greedy([4, 5, 6], 200)
+        stream = engine.stream(req)
+        await stream.__anext__()
+        assert engine.abort(req.request_id)
+        _ = [t async for t in stream]
+        done = stream.completion()
+        assert done.finish_reason == "cancelled"
+        assert len(done.token_ids) < 200
+        assert not engine.abort(req.request_id)  # already gone
+
+
+async def test_stop_token_ends_the_request(llama):
+    ref = reference(llama, [9, 8, 7], 10)
+    stop = ref[4]
+    async with Engine(llama, config=EngineConfig(num_blocks=64)) as engine:
+        done = await engine.generate(Request([9, 8, 7], SamplingParams(max_new_tokens=10, stop_token_ids=(stop,))))
+    assert done.finish_reason == "stop"
+    assert done.token_ids == ref[: ref.index(stop) + 1]
+
+
+async def test_seeded_sampling_is_reproducible_whatever_the_batch(llama):
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=50, top_p=0.9, seed=123, ignore_eos=True)
+    async with Engine(llama, config=EngineConfig(num_blocks=128)) as engine:
+        alone = await engine.generate(Request([3, 4, 5], params))
+        crowd = await run_all(engine, [Request([3, 4, 5], params)] + [greedy([7] * k, 12) for k in range(1, 6)])
+        other = await engine.generate(Request([3, 4, 5], SamplingParams(max_new_tokens=12, temperature=0.8, seed=7, ignore_eos=True)))
+    assert alone.token_ids == crowd[0].token_ids
+    assert other.token_ids != alone.token_ids
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Request([], SamplingParams()), "empty"),
+        (lambda: Request([1] * 500, SamplingParams(max_new_tokens=100)), "context"),
+        (lambda: Request([1, 2], SamplingParams(max_new_tokens=0)), "max_new_tokens"),
+        (lambda: Request([1, 2], SamplingParams(temperature=-1)), "temperature"),
+        (lambda: Request([1, 2], SamplingParams(top_p=0)), "top_p"),
+        (lambda: Request([1, 2], SamplingParams(top_p=1.5)), "top_p"),
+        (lambda: Request([1, 99999]), "vocabulary"),
+        (lambda: Request("text needs a tokenizer"), "tokenizer"),
+        (lambda: Request([1] * 200, SamplingParams(max_new_tokens=100)), "cache"),
+    ],
+)
+async def test_bad_requests_raise_before_anything_is_allocated(llama, make, message):
+    ref = reference(llama, [1, 2, 3], 30)
+    async with Engine(llama, config=EngineConfig(num_blocks=16, block_size=16)) as engine:
+        busy = engine.stream(greedy([1, 2, 3], 30))
+        start = engine.num_free_blocks
+        with pytest.raises(ValueError, match=message):
+            engine.submit(make())
+        assert engine.num_free_blocks == start
+        assert [t.token_id async for t in busy] == ref
+
+
+def test_unknown_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model"):
+        Engine.from_pretrained(str(tmp_path / "missing"))
+
+
+async def test_a_failing_forward_fails_its_requests_not_the_engine(llama):
+    ref = reference(llama, [1, 2, 3], 5)
+
+    class Broken:
+        def prepare(self, step):
+            raise RuntimeError("kernel exploded")
+
+    async with Engine(llama, config=EngineConfig(num_blocks=64)) as engine:
+        working, engine.executor.backend = engine.executor.backend, Broken()
+        stream = engine.stream(greedy([1, 2, 3], 5))
+        with pytest.raises(RequestError, match="kernel exploded"):
+            _ = [t async for t in stream]
+        assert stream.completion().finish_reason == "error"
+        assert engine.num_free_blocks == 64
+        engine.executor.backend = working
+        done = await engine.generate(greedy([1, 2, 3], 5))
+    assert done.token_ids == ref
