@@ -36,6 +36,18 @@ def _setup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plugins(args: argparse.Namespace) -> int:
+    from jitney.core.hooks import describe_plugins, make_plugin_manager
+
+    rows = describe_plugins(make_plugin_manager())
+    width = max(len(name) for _, name, _ in rows)
+    for role in dict.fromkeys(role for role, _, _ in rows):
+        print(f"{role}:")
+        for _, name, dist in (r for r in rows if r[0] == role):
+            print(f"  {name:<{width}}  {dist}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from jitney.bench.run import main as bench_main
 
@@ -60,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
 
     setup = sub.add_parser("setup", help="convert the embedded SmolLM2 once and print where it is cached")
     setup.set_defaults(func=_setup)
+
+    plugins = sub.add_parser("plugins", help="list every registered plugin by role, with the package providing it")
+    plugins.set_defaults(func=_plugins)
 
     bench = sub.add_parser("bench", help="compare jitney with transformers on a workload")
     from jitney.bench.run import add_arguments

@@ -56,8 +56,11 @@ class CacheManager:
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """New blocks a request needs so that `num_tokens` tokens in all fit in its cache."""
-        held = len(self._tables[request_id][0]) if request_id in self._tables else 0
-        return max(0, -(-num_tokens // self.block_size) - held)
+        return max(0, -(-num_tokens // self.block_size) - self.blocks_held(request_id))
+
+    def blocks_held(self, request_id: str) -> int:
+        tables = self._tables.get(request_id)
+        return len(tables[0]) if tables else 0
 
     def reserve(self, request_id: str, num_tokens: int) -> bool:
         """Grow a request's tables to hold `num_tokens` tokens in every group, or change nothing and say no."""

@@ -23,6 +23,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Blocks in the KV cache; `None` solves for it from free memory under `max_memory_percent`."""
     max_batch_tokens: PositiveInt = 256
     """Query tokens in one forward pass (prompts longer than what is left are chunked)."""
+    max_batch_cache_blocks: PositiveInt | None = None
+    """The cache budget: KV blocks read in one forward pass (`None`: the whole cache). It bounds the
+    attention's gather buffers."""
     max_memory_percent: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.9
     """Share of free device memory (CPU: available RAM) the cache sizing may use."""
     max_requests_per_batch: PositiveInt = 64

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import anyio
 import torch
@@ -16,11 +18,14 @@ from jitney.core import events as ev
 from jitney.core.config import EngineConfig
 from jitney.core.detokenizer import Detokenizer
 from jitney.core.executor import StepExecutor
-from jitney.core.hooks import Registry, make_plugin_manager
+from jitney.core.hooks import make_plugin_manager, registry
 from jitney.core.models import load_model
 from jitney.core.request import Completion, Request, RequestError, RequestStatus, Token
 from jitney.core.sequence import Sequence
 from jitney.kernels.base import ATTN_NAME
+
+if TYPE_CHECKING:
+    from jitney.schedulers.base import Batch
 
 log = logging.getLogger("jitney")
 
@@ -33,14 +38,13 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         self.plugins = make_plugin_manager(plugins)
-        hook = self.plugins.hook
-        self.scheduler = Registry("scheduler", hook.jitney_register_schedulers).create(config.scheduler, config)
+        self.scheduler = registry(self.plugins, "scheduler").create(config.scheduler, config)
         mc = model.config.get_text_config()
         self.max_context = getattr(mc, "max_position_embeddings", None) or math.inf
         self.vocab_size = mc.vocab_size
         param = next(model.parameters())
         backend_name = config.attention_backend or "torch"
-        backend = Registry("attention backend", hook.jitney_register_attention_backends).create(backend_name, param.device)
+        backend = registry(self.plugins, "attention backend").create(backend_name, param.device)
         self.cache = self._build_cache(mc, param.dtype, param.device)
         self.executor = StepExecutor(model, self.cache, backend)
         self.stop_ids = _stop_ids(model, tokenizer)
@@ -175,20 +179,14 @@ class Engine:
 
     async def _step(self) -> None:
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule(self.waiting, self.active, self.cache)
-        while not batch.entries:
-            # Nothing fits: drop the newest active request's cache (soft reset) and try again.
-            if len(self.active) < 2:
-                raise RuntimeError("scheduler produced an empty batch with the cache free")  # submit() prevents this
-            self._soft_reset(self.active[-1])
-            batch = self.scheduler.schedule(self.waiting, self.active, self.cache)
+        batch = self._schedule()
         admitted = {s.request_id for s, _ in batch.entries if s.status is RequestStatus.PENDING}
         if admitted:
             self.waiting = [s for s in self.waiting if s.request_id not in admitted]
         for seq, n in batch.entries:
             if seq.status is RequestStatus.PENDING:
                 seq.status = RequestStatus.PREFILLING
-                self.active.append(seq)
+                bisect.insort(self.active, seq, key=lambda s: s.arrival)
                 self._events.append(ev.PrefillStarted(t=t0, request_id=seq.request_id))
         try:
             prepared = self.executor.prepare(batch.entries)
@@ -209,6 +207,21 @@ class Engine:
             free_blocks=self.cache.num_free_blocks, total_blocks=self.cache.num_blocks,
         ))
         self._flush_events()
+
+    def _schedule(self) -> Batch:
+        """Ask the scheduler for a batch; free what it wants preempted, and if nothing fits at all, soft reset
+        the newest active request, then ask again, until a batch fits."""
+        while True:
+            batch = self.scheduler.schedule(self.waiting, self.active, self.cache)
+            if batch.preempt:
+                for seq in batch.preempt:
+                    self._soft_reset(seq)
+            elif batch.entries:
+                return batch
+            elif len(self.active) > 1:
+                self._soft_reset(self.active[-1])
+            else:  # submit() refuses requests that cannot fit in the whole cache, so this is a scheduler bug
+                raise RuntimeError(f"scheduler {self.config.scheduler!r} returned an empty batch with work waiting")
 
     def _apply(self, entries: list[tuple[Sequence, int]], tokens: list[int | None]) -> None:
         now = time.perf_counter()
@@ -237,8 +250,7 @@ class Engine:
         self.active.remove(seq)
         seq.num_computed = 0
         seq.status = RequestStatus.PENDING
-        self.waiting.append(seq)
-        self.waiting.sort(key=lambda s: s.arrival)
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
         self.preemptions += 1
         self._events.append(ev.RequestSoftReset(t=time.perf_counter(), request_id=seq.request_id, tokens=seq.num_tokens))
 

@@ -65,18 +65,39 @@ def make_plugin_manager(plugins: Iterable[object] = ()) -> pluggy.PluginManager:
     return pm
 
 
+ROLES = {"scheduler": "jitney_register_schedulers", "attention backend": "jitney_register_attention_backends"}
+"""Each plugin role and the registration hook that fills it."""
+
+
+def registry(pm: pluggy.PluginManager, role: str) -> "Registry":
+    return Registry(role, getattr(pm.hook, ROLES[role]))
+
+
+def describe_plugins(pm: pluggy.PluginManager) -> list[tuple[str, str, str]]:
+    """(role, name, providing distribution) for every registered plugin."""
+    dists = {pm.get_name(plugin): f"{dist.project_name} {dist.version}" for plugin, dist in pm.list_plugin_distinfo()}
+    rows = []
+    for role in ROLES:
+        reg = registry(pm, role)
+        rows += [(role, name, dists.get(reg.providers[name], "registered in code")) for name in sorted(reg.factories)]
+    return rows
+
+
 class Registry:
-    """Plugins of one role, by name; built from one registration hook."""
+    """Plugins of one role, by name, filled by one registration hook; remembers which plugin gave each."""
 
     def __init__(self, role: str, hook: Any):
         self.role = role
         self.factories: dict[str, Callable[..., Any]] = {}
-        hook(register=self.register)
+        self.providers: dict[str, str] = {}
+        for impl in hook.get_hookimpls():
+            impl.function(register=lambda name, factory, _by=impl.plugin_name: self.register(name, factory, _by))
 
-    def register(self, name: str, factory: Callable[..., Any]) -> None:
+    def register(self, name: str, factory: Callable[..., Any], provider: str = "") -> None:
         if name in self.factories:
-            raise ValueError(f"{self.role} {name!r} is registered twice")
+            raise ValueError(f"{self.role} {name!r} is registered twice ({self.providers[name]}, {provider})")
         self.factories[name] = factory
+        self.providers[name] = provider
 
     def create(self, name: str, *args: Any) -> Any:
         try:

@@ -40,6 +40,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return self.temperature == 0.0
 
 
+class Priority(enum.IntEnum):
+    """Priority classes for `Request.priority` (any int works; lower runs first under `scheduler="priority"`)."""
+
+    INTERACTIVE = 0
+    BACKGROUND = 10
+
+
 @dataclass
 class Request:
     """One generation request: a prompt (text or token ids) and its sampling parameters."""
@@ -48,7 +55,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str | None = None
     priority: int = 0
-    """Priority class: lower runs first where a scheduler honours priorities (0 = interactive)."""
+    """Priority class: lower runs first where a scheduler honours it (`Priority.INTERACTIVE` = 0)."""
 
     def __post_init__(self) -> None:
         if self.request_id is None:

@@ -1,12 +1,18 @@
-"""Scheduler plugins: the `Scheduler` role and the built-in policies."""
+"""Scheduler plugins: the `Scheduler` role, a budget-keeping helper, and the built-in policies."""
 
 from jitney.core.hooks import hookimpl
-from jitney.schedulers.base import Batch, CacheView, Scheduler
-from jitney.schedulers.fifo import FifoScheduler
+from jitney.schedulers.base import Batch, BatchBuilder, CacheView, Scheduler, decodes, prefills
+from jitney.schedulers.fifo import FifoScheduler, PrefillFirstScheduler
+from jitney.schedulers.priority import PriorityScheduler
 
-__all__ = ["Batch", "CacheView", "FifoScheduler", "Scheduler"]
+__all__ = [
+    "Batch", "BatchBuilder", "CacheView", "FifoScheduler", "PrefillFirstScheduler", "PriorityScheduler",
+    "Scheduler", "decodes", "prefills",
+]
 
 
 @hookimpl
 def jitney_register_schedulers(register):
     register("fifo", FifoScheduler)
+    register("prefill_first", PrefillFirstScheduler)
+    register("priority", PriorityScheduler)

@@ -1,10 +1,11 @@
-"""The scheduler role: what a scheduler is given each step and what it returns."""
+"""The scheduler role: what a scheduler is given each step, what it returns, and a helper that keeps budgets."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from jitney.core.config import EngineConfig
 from jitney.core.sequence import Sequence
 
 
@@ -12,6 +13,7 @@ class CacheView(Protocol):
     """The part of the cache manager a scheduler may use: ask what fits, and reserve it."""
 
     num_blocks: int
+    block_size: int
 
     @property
     def num_free_blocks(self) -> int: ...
@@ -19,17 +21,23 @@ class CacheView(Protocol):
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """New blocks `request_id` needs to hold `num_tokens` tokens in all."""
 
+    def blocks_held(self, request_id: str) -> int:
+        """Blocks `request_id` holds now (what preempting it would free)."""
+
     def reserve(self, request_id: str, num_tokens: int) -> bool:
-        """Allocate, all groups or none, so that `request_id` holds `num_tokens` tokens; False if it cannot."""
+        """Allocate, all layer groups or none, so that `request_id` holds `num_tokens` tokens; False if it cannot."""
 
 
 @dataclass
 class Batch:
-    """One step's work: `entries` are (request, tokens to compute this step), decodes first."""
+    """What `Scheduler.schedule` returns for one step."""
 
     entries: list[tuple[Sequence, int]] = field(default_factory=list)
-    stalled: list[Sequence] = field(default_factory=list)
-    """Active requests that could not get the blocks they need this step."""
+    """(request, tokens to compute this step), in the order chosen; their cache is reserved."""
+    stalled: list[tuple[Sequence, int]] = field(default_factory=list)
+    """Active requests that could not get the blocks they need this step, with how many they need."""
+    preempt: list[Sequence] = field(default_factory=list)
+    """Active requests the scheduler wants out of the cache; the engine frees them and calls `schedule` again."""
 
     @property
     def num_tokens(self) -> int:
@@ -37,13 +45,93 @@ class Batch:
 
 
 class Scheduler(Protocol):
-    """Builds each step's batch. Registered with ``jitney_register_schedulers`` as ``factory(config)``.
+    """Builds each step's batch. A plugin registers ``factory(config) -> Scheduler`` under a name with
+    ``jitney_register_schedulers``; ``EngineConfig(scheduler=name)`` selects it.
 
-    `schedule` is called once per step with the requests not yet started (`waiting`, arrival order) and the
-    ones that hold cache (`active`, arrival order); it reserves the cache each chosen request needs through
-    `cache` and returns the batch. It must respect ``config.max_batch_tokens`` (query tokens) and
-    ``config.max_requests_per_batch``. The engine moves requests between the two lists; the scheduler only
-    chooses.
+    Each step the engine calls `schedule` with
+
+    - ``waiting``: requests that hold no cache yet, in arrival order (new ones, and ones whose cache was
+      dropped by a soft reset, which then prefill their prompt plus the tokens they already produced);
+    - ``active``: requests that hold cache, in arrival order; ``seq.remaining == 1`` is a decode, more is a
+      prefill in progress;
+    - ``cache``: a `CacheView` to ask whether a request's next tokens fit and to reserve them.
+
+    It returns a `Batch`. Three budgets bound a batch: ``config.max_batch_tokens`` query tokens,
+    ``config.max_requests_per_batch`` requests, and the cache budget, ``config.max_batch_cache_blocks`` KV
+    blocks read in one pass (at most the cache's size). `BatchBuilder` keeps all three, and the safety margin.
+
+    The engine owns both lists and moves requests between them as they are admitted, finish, are aborted or
+    fail, or are soft reset: a scheduler only chooses, so it needs no bookkeeping of its own. Each request
+    carries ``seq.request.priority`` (lower runs first where a policy honours it) and ``seq.arrival``.
     """
 
     def schedule(self, waiting: list[Sequence], active: list[Sequence], cache: CacheView) -> Batch: ...
+
+
+class BatchBuilder:
+    """Adds requests to a batch in the order a policy chooses, keeping the three budgets and the safety margin.
+
+    `add` returns "ok" when the request joined, "full" when a budget is spent (later requests will not fit
+    either), "cache" when the cache lacks the blocks (or, for a new prefill, the margin forbids them).
+    """
+
+    def __init__(self, config: EngineConfig, cache: CacheView, safety_margin: float):
+        self.cache = cache
+        self.batch = Batch()
+        self.tokens_left = config.max_batch_tokens
+        self.requests_left = config.max_requests_per_batch
+        limit = config.max_batch_cache_blocks
+        self.blocks_left = cache.num_blocks if limit is None else min(limit, cache.num_blocks)
+        self.reserve_floor = safety_margin * cache.num_blocks
+
+    @property
+    def full(self) -> bool:
+        return self.tokens_left == 0 or self.requests_left == 0 or self.blocks_left <= 0
+
+    def add(self, seq: Sequence, new: bool = False) -> str:
+        """Add `seq` with as many of its remaining tokens as the token budget allows (a chunk of its prompt).
+
+        `new` marks a request from the waiting list: below `safety_margin x num_blocks` free blocks it does not
+        start, unless the batch would otherwise be empty.
+        """
+        if self.full:
+            return "full"
+        n = min(seq.remaining, self.tokens_left)
+        total = seq.num_computed + n
+        reads = -(-total // self.cache.block_size)
+        if reads > self.blocks_left and self.batch.entries:
+            return "full"
+        need = self.cache.blocks_needed(seq.request_id, total)
+        if new and self.batch.entries and self.cache.num_free_blocks < self.reserve_floor:
+            return "cache"
+        if not self.cache.reserve(seq.request_id, total):
+            if not new:
+                self.batch.stalled.append((seq, need))
+            return "cache"
+        self.batch.entries.append((seq, n))
+        self.tokens_left -= n
+        self.requests_left -= 1
+        self.blocks_left -= reads
+        return "ok"
+
+    def add_active(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if self.add(seq) == "full":
+                return
+
+    def add_waiting(self, seqs: list[Sequence]) -> Sequence | None:
+        """Admit waiting requests in order; stop at the first that does not fit (later ones do not overtake
+        it). Returns that request when the cache, not a budget, held it back."""
+        for seq in seqs:
+            result = self.add(seq, new=True)
+            if result != "ok":
+                return seq if result == "cache" else None
+        return None
+
+
+def decodes(active: list[Sequence]) -> list[Sequence]:
+    return [s for s in active if s.remaining == 1]
+
+
+def prefills(active: list[Sequence]) -> list[Sequence]:
+    return [s for s in active if s.remaining > 1]

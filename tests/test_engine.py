@@ -9,6 +9,7 @@ from support import random_requests, reference, tiny_mistral
 from jitney import Engine, EngineConfig, Request, RequestError, SamplingParams
 from jitney.core import events as ev
 from jitney.core.hooks import hookimpl
+from jitney.core.request import Priority
 
 
 async def run_all(engine: Engine, requests: list[Request]):
@@ -27,12 +28,15 @@ def greedy(prompt, n):
     return Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
 
 
-async def test_concurrent_chunked_requests_match_generate(llama):
+@pytest.mark.parametrize("scheduler", ["fifo", "prefill_first", "priority"])
+async def test_concurrent_chunked_requests_match_generate(llama, scheduler):
     work = random_requests(20, llama.config.vocab_size, max_prompt=70)
     refs = [reference(llama, p, n) for p, n in work]
     # 16 query tokens per step: most prompts are split across several steps.
-    async with Engine(llama, config=EngineConfig(max_batch_tokens=16, block_size=4, num_blocks=400)) as engine:
-        done = await run_all(engine, [greedy(p, n) for p, n in work])
+    config = EngineConfig(max_batch_tokens=16, block_size=4, num_blocks=400, scheduler=scheduler)
+    async with Engine(llama, config=config) as engine:
+        done = await run_all(engine, [Request(p, SamplingParams(max_new_tokens=n, ignore_eos=True), priority=i % 2)
+                                      for i, (p, n) in enumerate(work)])
         assert engine.num_free_blocks == 400
     for (prompt, n), ref, out in zip(work, refs, done):
         assert out.token_ids == ref
@@ -66,6 +70,36 @@ async def test_soft_reset_under_a_small_cache_keeps_tokens(llama):
         assert engine.num_free_blocks == 16
     assert [d.token_ids for d in done] == refs
     assert seen, "the cache was too small for all requests: some must have been reset"
+
+
+async def test_priority_preempts_background_work_and_background_still_finishes(llama):
+    # Six background requests whose prompts alone take 48 of the 56 blocks, and that grow to 108.
+    background = [([3 + i] * 30 + [50], 40) for i in range(6)]
+    interactive = [([100 + i] * 20, 10) for i in range(3)]
+    refs = [reference(llama, p, n) for p, n in background + interactive]
+    resets, finished = [], []
+
+    class Recorder:
+        @hookimpl
+        def jitney_on_events(self, events, engine):
+            resets.extend(e.request_id for e in events if isinstance(e, ev.RequestSoftReset))
+            finished.extend(e.request_id for e in events if isinstance(e, ev.RequestFinished))
+
+    config = EngineConfig(scheduler="priority", block_size=4, num_blocks=56, max_batch_tokens=64, safety_margin=0.0)
+    bg = [Request(p, SamplingParams(max_new_tokens=n, ignore_eos=True), priority=Priority.BACKGROUND) for p, n in background]
+    fg = [Request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in interactive]
+    async with Engine(llama, config=config, plugins=[Recorder()]) as engine:
+        streams = [engine.stream(r) for r in bg]
+        for s in streams:  # let the background work fill the cache first
+            await s.__anext__()
+        done = await run_all(engine, fg)
+        assert engine.waiting or engine.active  # background work was still pending when interactive finished
+        rest = [[t.token_id async for t in s] for s in streams]
+    bg_ids = {r.request_id for r in bg}
+    assert resets and set(resets) <= bg_ids
+    assert finished.index(fg[-1].request_id) < max(finished.index(i) for i in bg_ids)
+    outputs = [[s.seq.output_ids[0]] + r for s, r in zip(streams, rest)]
+    assert outputs + [d.token_ids for d in done] == refs
 
 
 async def test_first_token_streams_before_the_request_finishes(llama):
