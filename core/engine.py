@@ -276,6 +276,9 @@ class Engine:
         if not self._events:
             return
         batch, self._events = self._events, []
+        observe = getattr(self.scheduler, "on_events", None)
+        if observe is not None:
+            observe(batch)
         try:
             self.plugins.hook.jitney_on_events(events=batch, engine=self)
         except Exception:

@@ -63,6 +63,10 @@ class Scheduler(Protocol):
     The engine owns both lists and moves requests between them as they are admitted, finish, are aborted or
     fail, or are soft reset: a scheduler only chooses, so it needs no bookkeeping of its own. Each request
     carries ``seq.request.priority`` (lower runs first where a policy honours it) and ``seq.arrival``.
+
+    A scheduler that reacts to lifecycle events (a request queued, its first token, finished, failed, soft
+    reset; the step's statistics — see `jitney.core.events`) may also define ``on_events(events)``: the engine
+    calls it once per step, before the observers, with that step's events.
     """
 
     def schedule(self, waiting: list[Sequence], active: list[Sequence], cache: CacheView) -> Batch: ...

@@ -150,3 +150,18 @@ def test_priority_preempts_the_newest_background_work_when_the_cache_is_short():
     c2 = cache(num_blocks=20)
     batch = PriorityScheduler(EngineConfig(safety_margin=0.0)).schedule([seq(24, 2)], activate(c2, *fg_active), c2)
     assert batch.preempt == []
+
+
+async def test_a_scheduler_may_observe_lifecycle_events(llama):
+    from jitney import Engine
+
+    class Watching(FifoScheduler):
+        seen: list = []
+
+        def on_events(self, events):
+            self.seen.extend(type(e).__name__ for e in events)
+
+    async with Engine(llama, config=EngineConfig(num_blocks=32)) as engine:
+        engine.scheduler = Watching(engine.config)
+        await engine.generate(Request([1, 2, 3], SamplingParams(max_new_tokens=3)))
+    assert {"RequestQueued", "FirstToken", "RequestFinished", "StepCompleted"} <= set(Watching.seen)
