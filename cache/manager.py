@@ -1,4 +1,4 @@
-"""The cache manager: per-layer KV tensors, layer groups, and each request's block table."""
+"""The cache manager: per-layer KV tensors, layer groups, block tables, and prefix caching."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from jitney.cache.eviction import EvictionPolicy
 from jitney.cache.pool import BlockPool
+from jitney.core.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -23,11 +25,16 @@ class CacheManager:
     Storage is one key and one value tensor per layer, shaped ``[(num_blocks + 2) * block_size, kv_heads,
     head_dim]``: slot ``b * block_size + i`` holds token ``i`` of block ``b``. The last two blocks are the
     pool's reserved padding blocks, kept zeroed so that padded reads see finite values.
+
+    With `prefix_caching`, each completed block is content-hashed, the hash chained over the whole prefix
+    (so equal blocks at different prefixes never collide); a request admitted later whose tokens start with
+    hashed blocks takes them instead of computing them again.
     """
 
     def __init__(
         self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
         dtype: torch.dtype, device: torch.device, groups: list[LayerGroup] | None = None,
+        prefix_caching: bool = False, eviction: EvictionPolicy | None = None,
     ):
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -36,7 +43,8 @@ class CacheManager:
         for g, group in enumerate(self.groups):
             for layer in group.layers:
                 self.group_of_layer[layer] = g
-        self.pools = [BlockPool(num_blocks) for _ in self.groups]
+        self.prefix_caching = prefix_caching and len(self.groups) == 1
+        self.pools = [BlockPool(num_blocks, eviction) for _ in self.groups]
         slots = (num_blocks + 2) * block_size
         # torch.empty: pages are committed only as blocks are first written. Reads never go past a
         # request's written tokens except into the zeroed padding blocks.
@@ -47,20 +55,22 @@ class CacheManager:
             t[pad].zero_()
         self.padding_slot = num_blocks * block_size
         self._tables: dict[str, list[list[int]]] = {}
+        self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's completed blocks
 
     # -- the narrow view a scheduler sees ------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now (free, or cached and demotable)."""
         return min(pool.num_free for pool in self.pools)
-
-    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """New blocks a request needs so that `num_tokens` tokens in all fit in its cache."""
-        return max(0, -(-num_tokens // self.block_size) - self.blocks_held(request_id))
 
     def blocks_held(self, request_id: str) -> int:
         tables = self._tables.get(request_id)
         return len(tables[0]) if tables else 0
+
+    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        """New blocks a request needs so that `num_tokens` tokens in all fit in its cache."""
+        return max(0, -(-num_tokens // self.block_size) - self.blocks_held(request_id))
 
     def reserve(self, request_id: str, num_tokens: int) -> bool:
         """Grow a request's tables to hold `num_tokens` tokens in every group, or change nothing and say no."""
@@ -74,11 +84,78 @@ class CacheManager:
             table.extend(pool.allocate(need))
         return True
 
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a request that holds no blocks yet the cached blocks holding the start of its tokens; set and
+        return its computed tokens. At least one token is always left to compute, so its next token has
+        logits to come from. `release` undoes it if the request then does not start."""
+        if not self.prefix_caching or seq.request_id in self._tables:
+            return 0
+        pool, bs = self.pools[0], self.block_size
+        hashes, blocks, prev = [], [], 0
+        for i in range((seq.num_tokens - 1) // bs):
+            prev = hash((prev, tuple(seq.tokens(i * bs, (i + 1) * bs))))
+            block = pool.lookup(prev)
+            if block is None:
+                break
+            hashes.append(prev)
+            blocks.append(block)
+        for block in blocks:
+            pool.take(block)
+        if blocks:
+            self._tables[seq.request_id] = [blocks]
+            self._hashes[seq.request_id] = hashes
+        seq.num_computed = len(blocks) * bs
+        return seq.num_computed
+
+    def commit(self, seq: Sequence) -> None:
+        """Hash the blocks that the request's computed tokens have completed, so later requests can reuse them."""
+        if not self.prefix_caching:
+            return
+        hashes = self._hashes.setdefault(seq.request_id, [])
+        bs = self.block_size
+        if seq.num_computed // bs == len(hashes):
+            return
+        table, pool = self._tables[seq.request_id][0], self.pools[0]
+        prev = hashes[-1] if hashes else 0
+        for i in range(len(hashes), seq.num_computed // bs):
+            prev = hash((prev, tuple(seq.tokens(i * bs, (i + 1) * bs))))
+            hashes.append(prev)
+            pool.register(table[i], prev)
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> bool:
+        """Give `child_id` the parent's cache for its first `num_tokens` tokens: full blocks are shared, the
+        partial last block is copied (each sample writes its own tokens there). False if no block is free."""
+        full, partial = divmod(num_tokens, self.block_size)
+        if partial and any(pool.num_free < 1 for pool in self.pools):
+            return False
+        tables = []
+        for g, (pool, table) in enumerate(zip(self.pools, self._tables[parent_id])):
+            for block in table[:full]:
+                pool.share(block)
+            mine = table[:full]
+            if partial:
+                (copy,) = pool.allocate(1)
+                self._copy_block(g, table[full], copy)
+                mine = mine + [copy]
+            tables.append(mine)
+        self._tables[child_id] = tables
+        if self.prefix_caching:
+            self._hashes[child_id] = self._hashes.get(parent_id, [])[:full]
+        return True
+
+    def _copy_block(self, group: int, src: int, dst: int) -> None:
+        bs = self.block_size
+        for layer in self.groups[group].layers:
+            for store in (self.keys[layer], self.values[layer]):
+                store[dst * bs : (dst + 1) * bs] = store[src * bs : (src + 1) * bs]
+
     # -- used by the engine and the attention backend -------------------------------------------------------
 
     def release(self, request_id: str) -> None:
-        """Return every block of a request to the pool (finish, abort, failure, soft reset)."""
+        """Return every block of a request (finish, abort, failure, soft reset, or a prefix match for a request
+        that did not start); hashed ones stay cached."""
         tables = self._tables.pop(request_id, None)
+        self._hashes.pop(request_id, None)
         if tables is not None:
             for pool, table in zip(self.pools, tables):
                 pool.free(table)
@@ -88,6 +165,10 @@ class CacheManager:
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._tables
+
+    @property
+    def blocks_demoted(self) -> int:
+        return sum(pool.demoted for pool in self.pools)
 
     @property
     def bytes_allocated(self) -> int:

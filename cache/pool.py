@@ -1,33 +1,127 @@
-"""The block pool: which KV-cache blocks are free."""
+"""The block pool: which KV-cache blocks are free, in use, or cached for later prefix hits."""
 
 from __future__ import annotations
+
+import heapq
+from typing import Any
+
+from jitney.cache.eviction import EvictionPolicy, MostRecentFirst
+
+
+class Block:
+    """One block's bookkeeping (its KV lives in the cache tensors)."""
+
+    __slots__ = ("id", "ref_count", "hash", "created", "last_access", "hits", "version")
+
+    def __init__(self, block_id: int):
+        self.id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.created = self.last_access = self.hits = 0
+        self.version = 0  # bumped whenever the block leaves the cached set, to drop stale heap entries
 
 
 class BlockPool:
     """Hands out block ids ``0 .. num_blocks-1``; ids ``num_blocks`` and ``num_blocks+1`` are reserved.
 
-    The two reserved blocks are never allocated: padding tokens read from and write to them, so a padded
-    step never touches a live request's cache.
+    A block is *free* (no content), *used* (``ref_count`` owners) or *cached*: no owner, but its content and
+    hash are kept so a later request with the same prefix can take it back. Cached blocks count as
+    available; when the free ones run out, the eviction policy picks which cached block is demoted (its hash
+    dropped) and reused. The two reserved blocks are never allocated: padding tokens read and write there.
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1 (got {num_blocks})")
         self.num_blocks = num_blocks
         self.padding_block = num_blocks
+        self.policy = policy or MostRecentFirst()
+        self.blocks = [Block(i) for i in range(num_blocks)]
         # A stack: the most recently freed block is reused first, while its memory is still warm.
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._cached: set[int] = set()
+        self._heap: list[tuple[Any, int, int, int]] = []  # (priority, tiebreak, block id, version)
+        self.index: dict[int, int] = {}  # content hash -> block id, for every block holding hashed content
+        self.clock = 0
+        self.demoted = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be allocated: free plus cached."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
-        taken = self._free[len(self._free) - n :]
-        del self._free[len(self._free) - n :]
-        return taken
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free} available")
+        out = []
+        for _ in range(n):
+            block_id = self._free.pop() if self._free else self._demote()
+            block = self.blocks[block_id]
+            block.ref_count = 1
+            block.created = block.last_access = self._tick()
+            block.hits = 0
+            out.append(block_id)
+        return out
+
+    def _demote(self) -> int:
+        while True:
+            _, _, block_id, version = heapq.heappop(self._heap)
+            block = self.blocks[block_id]
+            if block_id in self._cached and block.version == version:
+                break
+        self._cached.discard(block_id)
+        block.version += 1
+        del self.index[block.hash]
+        block.hash = None
+        self.demoted += 1
+        return block_id
+
+    def take(self, block_id: int) -> None:
+        """A prefix hit: one more owner for a block holding hashed content."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self._cached.discard(block_id)
+            block.version += 1
+        block.ref_count += 1
+        block.hits += 1
+        block.last_access = self._tick()
+
+    def share(self, block_id: int) -> None:
+        """One more owner for a block in use (a forked sample)."""
+        self.blocks[block_id].ref_count += 1
 
     def free(self, ids: list[int]) -> None:
-        self._free.extend(ids)
+        """Drop one owner of each block; a block nobody owns is cached if it holds hashed content, else free."""
+        for block_id in reversed(ids):  # the tail of a sequence is the first to be demoted under LIFO ties
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count:
+                continue
+            block.last_access = self._tick()
+            if block.hash is None:
+                self._free.append(block_id)
+            else:
+                self._cached.add(block_id)
+                heapq.heappush(self._heap, (self.policy.priority(block), self.clock, block_id, block.version))
+        if len(self._heap) > 4 * self.num_blocks:  # drop entries of blocks taken back since they were pushed
+            self._heap = [e for e in self._heap if e[2] in self._cached and self.blocks[e[2]].version == e[3]]
+            heapq.heapify(self._heap)
+
+    def register(self, block_id: int, content_hash: int) -> bool:
+        """Record that a used block now holds the content `content_hash`; False if another block has it."""
+        if content_hash in self.index:
+            return False
+        self.index[content_hash] = block_id
+        self.blocks[block_id].hash = content_hash
+        return True
+
+    def lookup(self, content_hash: int) -> int | None:
+        return self.index.get(content_hash)

@@ -80,7 +80,9 @@ class Engine:
             )
             per_block = bytes_per_block(layers, cfg.block_size, kv_heads, head_dim, dtype)
             num_blocks = solve_num_blocks(per_block, overhead, cfg.max_memory_percent, device)
-        return CacheManager(layers, kv_heads, head_dim, cfg.block_size, num_blocks, dtype, device)
+        eviction = registry(self.plugins, "eviction policy").create(cfg.eviction, cfg)
+        return CacheManager(layers, kv_heads, head_dim, cfg.block_size, num_blocks, dtype, device,
+                            prefix_caching=cfg.allow_block_sharing and not _has_sliding_layers(mc), eviction=eviction)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -179,15 +181,19 @@ class Engine:
 
     async def _step(self) -> None:
         t0 = time.perf_counter()
+        demoted = self.cache.blocks_demoted
         batch = self._schedule()
         admitted = {s.request_id for s, _ in batch.entries if s.status is RequestStatus.PENDING}
         if admitted:
             self.waiting = [s for s in self.waiting if s.request_id not in admitted]
+        queried = hit = 0
         for seq, n in batch.entries:
             if seq.status is RequestStatus.PENDING:
                 seq.status = RequestStatus.PREFILLING
                 bisect.insort(self.active, seq, key=lambda s: s.arrival)
-                self._events.append(ev.PrefillStarted(t=t0, request_id=seq.request_id))
+                queried += seq.num_tokens
+                hit += seq.num_computed
+                self._events.append(ev.PrefillStarted(t=t0, request_id=seq.request_id, cached_tokens=seq.num_computed))
         try:
             prepared = self.executor.prepare(batch.entries)
             tokens = await anyio.to_thread.run_sync(self.executor.forward, prepared)
@@ -205,6 +211,7 @@ class Engine:
             decode_tokens=batch.num_tokens - prefill, forward_s=self.executor.forward_s,
             step_s=time.perf_counter() - t0, waiting=len(self.waiting), running=len(self.active),
             free_blocks=self.cache.num_free_blocks, total_blocks=self.cache.num_blocks,
+            prefix_query_tokens=queried, prefix_hit_tokens=hit, blocks_demoted=self.cache.blocks_demoted - demoted,
         ))
         self._flush_events()
 
@@ -229,6 +236,7 @@ class Engine:
             if seq.status.done:  # aborted while its forward ran
                 continue
             seq.num_computed += n
+            self.cache.commit(seq)
             if tok is None:
                 self._events.append(ev.PrefillChunk(t=now, request_id=seq.request_id, tokens=n, computed=seq.num_computed))
                 continue
@@ -300,6 +308,13 @@ class Engine:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+def _has_sliding_layers(mc) -> bool:
+    layer_types = getattr(mc, "layer_types", None)
+    if layer_types:
+        return any("sliding" in t for t in layer_types)
+    return getattr(mc, "sliding_window", None) is not None and getattr(mc, "use_sliding_window", True)
 
 
 def _stop_ids(model, tokenizer) -> tuple[int, ...]:

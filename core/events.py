@@ -26,6 +26,7 @@ class RequestQueued(Event, frozen=True):
 class PrefillStarted(Event, frozen=True):
     request_id: str
     cached_tokens: int = 0
+    """Tokens taken from the prefix cache instead of being computed."""
 
 
 class PrefillChunk(Event, frozen=True):
@@ -80,7 +81,14 @@ class StepCompleted(Event, frozen=True):
     waiting: int
     running: int
     free_blocks: int
+    """Blocks that can be allocated (free, or cached and demotable)."""
     total_blocks: int
+    prefix_query_tokens: int = 0
+    """Tokens of the requests that started this step, looked up in the prefix cache."""
+    prefix_hit_tokens: int = 0
+    """Of those, tokens found cached (their prefill was skipped)."""
+    blocks_demoted: int = 0
+    """Cached blocks whose content was dropped this step to make room."""
 
 
 AnyEvent = Union[

@@ -38,6 +38,14 @@ class Hookspecs:
         """
 
     @hookspec
+    def jitney_register_eviction_policies(self, register: Callable[[str, Callable[..., Any]], None]) -> None:
+        """Register eviction policy factories, called once when an engine starts.
+
+        Call ``register(name, factory)``; ``factory(config)`` returns an object following
+        `jitney.cache.eviction.EvictionPolicy`. The config's ``eviction`` field selects one by name.
+        """
+
+    @hookspec
     def jitney_engine_started(self, engine: Any) -> None:
         """The engine's step loop has started."""
 
@@ -65,7 +73,11 @@ def make_plugin_manager(plugins: Iterable[object] = ()) -> pluggy.PluginManager:
     return pm
 
 
-ROLES = {"scheduler": "jitney_register_schedulers", "attention backend": "jitney_register_attention_backends"}
+ROLES = {
+    "scheduler": "jitney_register_schedulers",
+    "eviction policy": "jitney_register_eviction_policies",
+    "attention backend": "jitney_register_attention_backends",
+}
 """Each plugin role and the registration hook that fills it."""
 
 

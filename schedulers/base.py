@@ -27,6 +27,13 @@ class CacheView(Protocol):
     def reserve(self, request_id: str, num_tokens: int) -> bool:
         """Allocate, all layer groups or none, so that `request_id` holds `num_tokens` tokens; False if it cannot."""
 
+    def match_prefix(self, seq: Sequence) -> int:
+        """For a request holding no blocks: take the cached blocks of its prefix, count them as computed, and
+        return how many tokens they cover (0 when prefix caching is off)."""
+
+    def release(self, request_id: str) -> None:
+        """Give back every block a request holds; used to undo `match_prefix` for a request that did not start."""
+
 
 @dataclass
 class Batch:
@@ -100,18 +107,23 @@ class BatchBuilder:
         """
         if self.full:
             return "full"
+        if new and self.batch.entries and self.cache.num_free_blocks < self.reserve_floor:
+            return "cache"
+        if new:
+            self.cache.match_prefix(seq)
         n = min(seq.remaining, self.tokens_left)
         total = seq.num_computed + n
         reads = -(-total // self.cache.block_size)
-        if reads > self.blocks_left and self.batch.entries:
-            return "full"
-        need = self.cache.blocks_needed(seq.request_id, total)
-        if new and self.batch.entries and self.cache.num_free_blocks < self.reserve_floor:
-            return "cache"
-        if not self.cache.reserve(seq.request_id, total):
+        result = "full" if reads > self.blocks_left and self.batch.entries else "ok"
+        if result == "ok" and not self.cache.reserve(seq.request_id, total):
+            result = "cache"
             if not new:
-                self.batch.stalled.append((seq, need))
-            return "cache"
+                self.batch.stalled.append((seq, self.cache.blocks_needed(seq.request_id, total)))
+        if result != "ok":
+            if new:  # undo the prefix match: the cached blocks stay cached, and may be demoted meanwhile
+                self.cache.release(seq.request_id)
+                seq.num_computed = 0
+            return result
         self.batch.entries.append((seq, n))
         self.tokens_left -= n
         self.requests_left -= 1

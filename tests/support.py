@@ -12,7 +12,7 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=0,
     )
     return LlamaForCausalLM(config).eval()
 
@@ -21,18 +21,16 @@ def tiny_mistral(seed: int = 0, window: int = 8) -> MistralForCausalLM:
     torch.manual_seed(seed)
     config = MistralConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=512, sliding_window=window,
+        num_key_value_heads=1, max_position_embeddings=512, sliding_window=window, bos_token_id=None,
+        eos_token_id=None, pad_token_id=0,
     )
     return MistralForCausalLM(config).eval()
 
 
 def reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy fp32 tokens from `model.generate`, end-of-sequence ignored."""
+    """Greedy fp32 tokens from `model.generate` (the tiny models have no end-of-sequence token)."""
     with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=0,
-        )
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt):].tolist()
 
 
