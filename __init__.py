@@ -3,7 +3,10 @@
 from jitney.core.config import EngineConfig
 from jitney.core.engine import Engine, TokenStream
 from jitney.core.llm import LLM
-from jitney.core.request import Completion, Request, RequestError, SamplingParams, Token
+from jitney.core.request import Completion, Priority, Request, RequestError, Sample, SamplingParams, Token
 
-__all__ = ["Completion", "Engine", "EngineConfig", "LLM", "Request", "RequestError", "SamplingParams", "Token", "TokenStream"]
+__all__ = [
+    "LLM", "Completion", "Engine", "EngineConfig", "Priority", "Request", "RequestError", "Sample", "SamplingParams",
+    "Token", "TokenStream",
+]
 

@@ -20,8 +20,8 @@ from jitney.core.detokenizer import Detokenizer
 from jitney.core.executor import StepExecutor
 from jitney.core.hooks import make_plugin_manager, registry
 from jitney.core.models import load_model
-from jitney.core.request import Completion, Request, RequestError, RequestStatus, Token
-from jitney.core.sequence import Sequence
+from jitney.core.request import Completion, Request, RequestError, RequestStatus, Sample, Token
+from jitney.core.sequence import Collector, Sequence
 from jitney.kernels.base import ATTN_NAME
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class Engine:
         self.stop_ids = _stop_ids(model, tokenizer)
         self.waiting: list[Sequence] = []
         self.active: list[Sequence] = []
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Collector] = {}  # unfinished requests, by id
         self.step_count = 0
         self.preemptions = 0
         self._arrivals = 0
@@ -98,8 +98,8 @@ class Engine:
 
     async def __aexit__(self, *exc_info) -> bool | None:
         self._running = False
-        for seq in list(self.requests.values()):
-            self.abort(seq.request_id)
+        for request_id in list(self.requests):
+            self.abort(request_id)
         self._wake.set()
         try:
             return await self._task_group.__aexit__(*exc_info)
@@ -110,7 +110,7 @@ class Engine:
 
     # -- the public API --------------------------------------------------------------------------------------
 
-    def submit(self, request: Request) -> Sequence:
+    def submit(self, request: Request) -> Collector:
         """Validate and queue a request; a bad request raises here, before anything is allocated."""
         if not self._running:
             raise RuntimeError("the engine is not running: use `async with engine:` first")
@@ -130,13 +130,15 @@ class Engine:
             )
         stop = frozenset() if request.params.ignore_eos else frozenset(request.params.stop_token_ids or self.stop_ids)
         seq = Sequence(request, prompt_ids, stop, self._arrivals)
+        # Further samples wait on the first one and fork from it once the prompt is in the cache.
+        seq.forks = [Sequence(request, prompt_ids, stop, self._arrivals, seq.collector, i) for i in range(1, request.params.n)]
         self._arrivals += 1
-        self.requests[seq.request_id] = seq
+        self.requests[request.request_id] = seq.collector
         self.waiting.append(seq)
         self._events.append(ev.RequestQueued(t=seq.t_queued, request_id=seq.request_id,
                                              prompt_tokens=len(prompt_ids), max_new_tokens=request.params.max_new_tokens))
         self._wake.set()
-        return seq
+        return seq.collector
 
     def stream(self, request: Request) -> "TokenStream":
         """Submit `request` and stream its tokens: ``async for token in engine.stream(req)``.
@@ -158,10 +160,12 @@ class Engine:
         Safe while its forward runs: blocks are only handed out again when the next step is scheduled, after
         that forward has finished; its sampled token is then dropped.
         """
-        seq = self.requests.get(request_id)
-        if seq is None or seq.status.done:
+        collector = self.requests.get(request_id)
+        if collector is None:
             return False
-        self._finish(seq, "cancelled")
+        for seq in collector.samples:
+            if not seq.status.done:
+                self._finish(seq, "cancelled")
         return True
 
     @property
@@ -230,27 +234,45 @@ class Engine:
             else:  # submit() refuses requests that cannot fit in the whole cache, so this is a scheduler bug
                 raise RuntimeError(f"scheduler {self.config.scheduler!r} returned an empty batch with work waiting")
 
-    def _apply(self, entries: list[tuple[Sequence, int]], tokens: list[int | None]) -> None:
+    def _apply(self, entries: list[tuple[Sequence, int]], tokens: list[list[int] | None]) -> None:
         now = time.perf_counter()
-        for (seq, n), tok in zip(entries, tokens):
+        for (seq, n), drawn in zip(entries, tokens):
             if seq.status.done:  # aborted while its forward ran
                 continue
             seq.num_computed += n
             self.cache.commit(seq)
-            if tok is None:
+            if drawn is None:
                 self._events.append(ev.PrefillChunk(t=now, request_id=seq.request_id, tokens=n, computed=seq.num_computed))
                 continue
-            seq.output_ids.append(tok)
-            if seq.t_first_token is None:
-                seq.t_first_token = now
+            forks, seq.forks = seq.forks, []
+            for child, tok in zip(forks, drawn[1:]):
+                self._fork(seq, child)
+                self._emit(child, tok, now)
+            self._emit(seq, drawn[0], now)
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start a further sample on the parent's prompt: share its full blocks, copy the partial one."""
+        if self.cache.fork(parent.request_id, child.request_id, parent.num_computed):
+            child.num_computed = parent.num_computed
+            child.status = RequestStatus.DECODING
+            bisect.insort(self.active, child, key=lambda s: s.arrival)
+        else:  # no block for the copy: the sample queues and prefills on its own (sharing cached blocks)
+            bisect.insort(self.waiting, child, key=lambda s: s.arrival)
+
+    def _emit(self, seq: Sequence, tok: int, now: float) -> None:
+        """Record a sampled token, hand it to the consumer, and finish the sample on a stop token or length."""
+        seq.output_ids.append(tok)
+        if seq.t_first_token is None:
+            seq.t_first_token = now
+            if seq.status is not RequestStatus.PENDING:
                 seq.status = RequestStatus.DECODING
-                self._events.append(ev.FirstToken(t=now, request_id=seq.request_id, ttft=now - seq.t_queued))
-            self._events.append(ev.TokensGenerated(t=now, request_id=seq.request_id, tokens=1, total=len(seq.output_ids)))
-            seq.deliver([tok])
-            if tok in seq.stop_ids:
-                self._finish(seq, "stop")
-            elif len(seq.output_ids) >= seq.params.max_new_tokens:
-                self._finish(seq, "length")
+            self._events.append(ev.FirstToken(t=now, request_id=seq.request_id, ttft=now - seq.t_queued))
+        self._events.append(ev.TokensGenerated(t=now, request_id=seq.request_id, tokens=1, total=len(seq.output_ids)))
+        seq.collector.put(seq.index, tok)
+        if tok in seq.stop_ids:
+            self._finish(seq, "stop")
+        elif len(seq.output_ids) >= seq.params.max_new_tokens:
+            self._finish(seq, "length")
 
     def _soft_reset(self, seq: Sequence) -> None:
         """Free a request's cache and queue it again; it will prefill its prompt and outputs so far."""
@@ -268,7 +290,6 @@ class Engine:
             self.active.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.requests.pop(seq.request_id, None)
         seq.finish_reason, seq.error = reason, error
         seq.status = {"error": RequestStatus.FAILED, "cancelled": RequestStatus.CANCELLED}.get(reason, RequestStatus.FINISHED)
         now = time.perf_counter()
@@ -278,7 +299,12 @@ class Engine:
             t=now, request_id=seq.request_id, finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
             output_tokens=len(seq.output_ids), latency=now - seq.t_queued,
         ))
-        seq.deliver([])
+        for child in seq.forks:  # samples that never forked end with their parent
+            self._finish(child, reason, error)
+        seq.forks = []
+        seq.collector.put(seq.index, None)
+        if seq.collector.done:
+            self.requests.pop(seq.request.request_id, None)
 
     def _flush_events(self) -> None:
         if not self._events:
@@ -332,57 +358,67 @@ def _stop_ids(model, tokenizer) -> tuple[int, ...]:
 class TokenStream:
     """The tokens of one request, as an async iterator and an async context manager.
 
-    Leaving early — `break`, an exception, cancellation — aborts the request and frees its cache. A request
-    that failed raises `RequestError` after the tokens it produced.
+    With ``n > 1`` the samples' tokens interleave; `Token.index` says which sample each belongs to. Leaving
+    early — `break`, an exception, cancellation — aborts the request and frees its cache. A request that
+    failed raises `RequestError` after the tokens it produced.
     """
 
-    def __init__(self, engine: Engine, seq: Sequence):
+    def __init__(self, engine: Engine, collector: Collector):
         self.engine = engine
-        self.seq = seq
-        self.request_id = seq.request_id
-        self._detok = Detokenizer(engine.tokenizer)
-        self._buffer: list[int] = []
+        self.collector = collector
+        self.request_id: str = collector.samples[0].request.request_id  # type: ignore[assignment]
+        self._detok: dict[int, Detokenizer] = {}
+        self._buffer: list[tuple[int, int]] = []
+
+    @property
+    def done(self) -> bool:
+        return self.collector.done
 
     def __aiter__(self) -> "TokenStream":
         return self
 
     async def __anext__(self) -> Token:
-        seq = self.seq
+        collector = self.collector
         try:
             while not self._buffer:
-                self._buffer = seq.take()
+                self._buffer = collector.take()
                 if self._buffer:
                     break
-                if seq.status.done:
-                    if seq.status is RequestStatus.FAILED:
-                        raise RequestError(f"request {seq.request_id} failed: {seq.error}")
+                if collector.done:
+                    failed = [s for s in collector.samples if s.status is RequestStatus.FAILED]
+                    if failed:
+                        raise RequestError(f"request {self.request_id} failed: {failed[0].error}")
                     raise StopAsyncIteration
-                await seq.ready.wait()
+                await collector.ready.wait()
         except BaseException as exc:
             if not isinstance(exc, (StopAsyncIteration, RequestError)):
-                self.engine.abort(seq.request_id)
+                self.engine.abort(self.request_id)
             raise
-        tok = self._buffer.pop(0)
-        return Token(tok, self._detok.add(tok))
+        index, tok = self._buffer.pop(0)
+        detok = self._detok.get(index) or self._detok.setdefault(index, Detokenizer(self.engine.tokenizer))
+        return Token(tok, detok.add(tok), index)
 
     async def __aenter__(self) -> "TokenStream":
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        self.engine.abort(self.seq.request_id)
+        self.engine.abort(self.request_id)
 
     def __del__(self) -> None:
         # `async for t in engine.stream(r): break` drops the stream at once: abort there too.
-        seq = getattr(self, "seq", None)
-        if seq is not None and not seq.status.done and self.engine._running:
-            self.engine.abort(seq.request_id)
+        collector = getattr(self, "collector", None)
+        if collector is not None and not collector.done and self.engine._running:
+            self.engine.abort(self.request_id)
 
     def completion(self) -> Completion:
-        seq = self.seq
-        if not seq.status.done:
+        if not self.collector.done:
             raise RuntimeError("the request has not finished")
+        first = self.collector.samples[0]
+        samples = [
+            Sample(s.index, list(s.output_ids), self.engine.decode(s.output_ids), s.finish_reason or "cancelled")
+            for s in sorted(self.collector.samples, key=lambda s: s.index)
+        ]
         return Completion(
-            request_id=seq.request_id, prompt=seq.request.prompt, prompt_token_ids=seq.prompt_ids,
-            token_ids=list(seq.output_ids), text=self.engine.decode(seq.output_ids),
-            finish_reason=seq.finish_reason or "cancelled", error=seq.error,
+            request_id=self.request_id, prompt=first.request.prompt, prompt_token_ids=first.prompt_ids,
+            samples=samples, error=next((s.error for s in self.collector.samples if s.error), None),
         )

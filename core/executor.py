@@ -24,6 +24,8 @@ class PreparedStep:
     keep: torch.Tensor
     step: StepInputs
     sampled_entries: list[int]
+    samples_per_entry: list[int]
+    """How many tokens each sampled entry draws from its row: 1, or n when its prompt is done and it forks."""
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
 
@@ -68,15 +70,17 @@ class StepExecutor:
             block_tables=tables, group_of_layer=cache.group_of_layer, block_size=cache.block_size,
             padding_slot=cache.padding_slot, keys=cache.keys, values=cache.values,
         )
-        seqs = [entries[i][0] for i in sampled_entries]
+        samplers = [[entries[i][0]] + entries[i][0].forks for i in sampled_entries]
         return PreparedStep(
             num_entries=len(entries), input_ids=torch.tensor([ids], device=self.device), positions=pos,
             keep=torch.tensor(sampled_rows or [len(ids) - 1], device=self.device), step=step,
-            sampled_entries=sampled_entries, params=[s.params for s in seqs], generators=[s.generator for s in seqs],
+            sampled_entries=sampled_entries, samples_per_entry=[len(group) for group in samplers],
+            params=[s.params for group in samplers for s in group],
+            generators=[s.generator for group in samplers for s in group],
         )
 
-    def forward(self, prepared: PreparedStep) -> list[int | None]:
-        """Run the model; return, per entry, its sampled token or None (its prompt is not finished yet)."""
+    def forward(self, prepared: PreparedStep) -> list[list[int] | None]:
+        """Run the model; return, per entry, its sampled tokens (one per sample) or None (prompt not done)."""
         t0 = time.perf_counter()
         p = prepared
         with torch.inference_mode():
@@ -84,10 +88,15 @@ class StepExecutor:
                 input_ids=p.input_ids, position_ids=p.positions[None], use_cache=False, logits_to_keep=p.keep,
                 **{STEP_KWARG: self.backend.prepare(p.step)},
             )
-            result: list[int | None] = [None] * p.num_entries
+            result: list[list[int] | None] = [None] * p.num_entries
             if p.sampled_entries:
-                tokens = sample(out.logits[0], p.params, p.generators)
-                for i, tok in zip(p.sampled_entries, tokens):
-                    result[i] = tok
+                logits = out.logits[0]
+                if len(p.params) > len(p.sampled_entries):  # forking rows draw several tokens from one row
+                    logits = logits.repeat_interleave(torch.tensor(p.samples_per_entry, device=logits.device), dim=0)
+                tokens = sample(logits, p.params, p.generators)
+                start = 0
+                for i, count in zip(p.sampled_entries, p.samples_per_entry):
+                    result[i] = tokens[start : start + count]
+                    start += count
         self.forward_s = time.perf_counter() - t0
         return result

@@ -24,6 +24,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Tokens that end the request; `None` means the model's end-of-sequence tokens."""
     ignore_eos: bool = False
     """Keep generating through stop tokens until `max_new_tokens`."""
+    n: int = 1
+    """Parallel samples of the prompt; they share its cache blocks (sample i is seeded with seed + i)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -32,6 +34,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"SamplingParams.temperature must be >= 0 (got {self.temperature})")
         if self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be >= 0 (got {self.top_k})")
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1 (got {self.n})")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1] (got {self.top_p})")
 
@@ -79,24 +83,45 @@ class RequestStatus(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Token:
-    """One streamed token: its id and the text it adds to the output."""
+    """One streamed token: its id, the text it adds to its sample's output, and which sample (0 unless n > 1)."""
 
     token_id: int
     text: str
+    index: int = 0
 
 
 @dataclass(frozen=True)
-class Completion:
-    """A finished request."""
+class Sample:
+    """The output of one of a request's samples."""
 
-    request_id: str
-    prompt: str | list[int]
-    prompt_token_ids: list[int]
+    index: int
     token_ids: list[int]
     text: str
     finish_reason: str
     """"length" | "stop" | "cancelled" | "error"."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request; `token_ids`, `text` and `finish_reason` are those of its first sample."""
+
+    request_id: str
+    prompt: str | list[int]
+    prompt_token_ids: list[int]
+    samples: list[Sample]
     error: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.samples[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.samples[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.samples[0].finish_reason
 
 
 class RequestError(RuntimeError):

@@ -10,8 +10,38 @@ import torch
 from jitney.core.request import Request, RequestStatus
 
 
+class Collector:
+    """What the consumer of one request reads: new tokens of all its samples, and whether they have all ended.
+
+    Single-slot: the engine appends and sets the event; the consumer takes everything pending at once, so a
+    slow consumer never holds the engine back and never sees an unbounded queue of wake-ups.
+    """
+
+    def __init__(self) -> None:
+        self.samples: list[Sequence] = []
+        self.pending: list[tuple[int, int]] = []  # (sample index, token id)
+        self.ready = anyio.Event()
+
+    @property
+    def done(self) -> bool:
+        return all(s.status.done for s in self.samples)
+
+    def put(self, index: int, token_id: int | None) -> None:
+        """Hand over a new token of sample `index` (None: just the news that a sample ended)."""
+        if token_id is not None:
+            self.pending.append((index, token_id))
+        self.ready.set()
+
+    def take(self) -> list[tuple[int, int]]:
+        out, self.pending = self.pending, []
+        if not self.done:
+            self.ready = anyio.Event()
+        return out
+
+
 class Sequence:
-    """A request in flight: its tokens, how many of them are in the KV cache, and its output slot.
+    """One sample of a request in flight: its tokens, how many of them are in the KV cache, where its output
+    goes. A request with ``n`` samples runs as one sequence until its prompt is done, then forks.
 
     The tokens still to run through the model are `token_ids[num_computed:]`; when a step computes the last
     of them, the model's next token is sampled. A decode step is the case where one token remains, so a
@@ -20,12 +50,17 @@ class Sequence:
 
     __slots__ = (
         "request", "request_id", "params", "prompt_ids", "output_ids", "num_computed", "status", "arrival",
-        "stop_ids", "generator", "finish_reason", "error", "pending", "ready", "t_queued", "t_first_token",
+        "stop_ids", "generator", "finish_reason", "error", "collector", "index", "forks", "t_queued",
+        "t_first_token",
     )
 
-    def __init__(self, request: Request, prompt_ids: list[int], stop_ids: frozenset[int], arrival: int):
+    def __init__(
+        self, request: Request, prompt_ids: list[int], stop_ids: frozenset[int], arrival: int,
+        collector: Collector | None = None, index: int = 0,
+    ):
         self.request = request
-        self.request_id: str = request.request_id  # type: ignore[assignment]
+        self.index = index
+        self.request_id: str = request.request_id if index == 0 else f"{request.request_id}#{index}"  # type: ignore
         self.params = request.params
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
@@ -39,13 +74,12 @@ class Sequence:
             if self.params.seed is None:
                 self.generator.seed()
             else:
-                self.generator.manual_seed(self.params.seed)
+                self.generator.manual_seed(self.params.seed + index)
         self.finish_reason: str | None = None
         self.error: str | None = None
-        # Single-slot collector: tokens not yet taken by the consumer, and an event set when there are some.
-        # The engine only appends and sets; a slow consumer takes them all at once later.
-        self.pending: list[int] = []
-        self.ready = anyio.Event()
+        self.collector = collector or Collector()
+        self.collector.samples.append(self)
+        self.forks: list[Sequence] = []  # samples that fork from this one when its prompt is done
         self.t_queued = time.perf_counter()
         self.t_first_token: float | None = None
 
@@ -65,14 +99,3 @@ class Sequence:
         if start >= n:
             return self.output_ids[start - n : end - n]
         return self.prompt_ids[start:] + self.output_ids[: end - n]
-
-    def deliver(self, token_ids: list[int]) -> None:
-        """Hand new tokens (or just the news that the request ended) to the consumer."""
-        self.pending.extend(token_ids)
-        self.ready.set()
-
-    def take(self) -> list[int]:
-        out, self.pending = self.pending, []
-        if not self.status.done:
-            self.ready = anyio.Event()
-        return out

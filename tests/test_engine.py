@@ -98,7 +98,7 @@ async def test_priority_preempts_background_work_and_background_still_finishes(l
     bg_ids = {r.request_id for r in bg}
     assert resets and set(resets) <= bg_ids
     assert finished.index(fg[-1].request_id) < max(finished.index(i) for i in bg_ids)
-    outputs = [[s.seq.output_ids[0]] + r for s, r in zip(streams, rest)]
+    outputs = [[s.collector.samples[0].output_ids[0]] + r for s, r in zip(streams, rest)]
     assert outputs + [d.token_ids for d in done] == refs
 
 
@@ -107,7 +107,7 @@ async def test_first_token_streams_before_the_request_finishes(llama):
     async with Engine(llama, config=EngineConfig(num_blocks=64)) as engine:
         stream = engine.stream(greedy([5, 6, 7], 20))
         first = await stream.__anext__()
-        assert not stream.seq.status.done
+        assert not stream.done
         rest = [t.token_id async for t in stream]
     assert [first.token_id] + rest == ref
 

@@ -200,3 +200,37 @@ async def test_a_prefix_demoted_while_its_request_waited_is_recomputed_correctly
             tg.start_soon(run, "later", greedy(later, 8))
     assert sum(s.blocks_demoted for s in stats.steps) > 0
     assert [results["later"].token_ids] + [results[i].token_ids for i in range(3)] == refs
+
+
+async def test_parallel_samples_share_the_prompt_and_copy_its_partial_block(llama):
+    prompt = list(range(60, 70))  # 2 full blocks of 4 and a partial one
+    ref = reference(llama, prompt, 12)
+    async with Engine(llama, config=EngineConfig(block_size=4, num_blocks=40)) as engine:
+        start = engine.num_free_blocks
+        stream = engine.stream(Request(prompt, SamplingParams(max_new_tokens=12, n=3)))
+        seen = {}
+        async for tok in stream:
+            seen.setdefault(tok.index, []).append(tok.token_id)
+            if len(seen) == 3 and all(len(v) == 1 for v in seen.values()):
+                tables = [engine.cache.block_table(s.request_id, 0) for s in stream.collector.samples]
+                assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # the full blocks are shared
+                assert len({t[2] for t in tables}) == 3  # each sample has its own copy of the partial block
+                assert start - engine.num_free_blocks == 2 + 3
+        done = stream.completion()
+        assert engine.num_free_blocks == start
+    assert [s.index for s in done.samples] == [0, 1, 2]
+    assert all(s.token_ids == ref for s in done.samples)
+    assert seen == {0: ref, 1: ref, 2: ref}
+
+
+async def test_seeded_parallel_samples_match_single_runs(llama):
+    prompt = [5, 6, 7, 8, 9]
+    sampling = dict(max_new_tokens=10, temperature=1.0, top_p=0.95, ignore_eos=True)
+    async with Engine(llama, config=EngineConfig(block_size=4, num_blocks=40)) as engine:
+        together = await engine.generate(Request(prompt, SamplingParams(n=3, seed=21, **sampling)))
+        alone = [await engine.generate(Request(prompt, SamplingParams(seed=21 + i, **sampling))) for i in range(3)]
+        async for _ in engine.stream(Request(prompt, SamplingParams(n=4, max_new_tokens=100))):
+            break
+        assert engine.num_free_blocks == 40
+    assert [s.token_ids for s in together.samples] == [a.token_ids for a in alone]
+    assert len({tuple(s.token_ids) for s in together.samples}) > 1
