@@ -7,17 +7,24 @@ import json
 import resource
 import time
 
+from collections.abc import Callable
+
 import anyio
 import torch
 
-from jitney.bench.workloads import WORKLOADS, Workload
+from jitney.bench.workloads import WORKLOADS, Workload, long_prompt
+from jitney.core.events import StepCompleted
+from jitney.core.hooks import hookimpl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="mixed-64", choices=sorted(WORKLOADS))
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--modes", default="jitney,hf-cb,hf-static",
-                        help="comma-separated: jitney, hf-cb (transformers continuous batching), hf-static (generate)")
+                        help="comma-separated: jitney, jitney-nocache (prefix caching off), hf-cb (transformers "
+                             "continuous batching), hf-static (transformers generate)")
+    parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies: one jitney run each")
+    parser.add_argument("--num-blocks", type=int, default=None, help="jitney's cache size (default: the whole workload fits)")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--static-batch", type=int, default=16)
@@ -37,8 +44,8 @@ def matmul_peak_gflops(seconds: float = 2.0) -> float:
 
 
 def workload_gflop(model, work: Workload) -> float:
-    """Matmul work of the workload: projections for every token, attention over each context, the LM head
-    for every sampled token."""
+    """Matmul work of the workload computed from scratch (no prefix reuse): projections for every token,
+    attention over each context, the LM head for every sampled token."""
     c = model.config.get_text_config()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
@@ -51,13 +58,32 @@ def workload_gflop(model, work: Workload) -> float:
     return flops / 1e9
 
 
-def run_jitney(model, tokenizer, work: Workload, args) -> list[list[int]]:
+class StepStats:
+    """Sums each step's events: prefix lookups and hits, prompt tokens computed, time in the forward."""
+
+    def __init__(self):
+        self.query = self.hit = self.prefill = self.forward_s = self.steps = 0
+
+    @hookimpl
+    def jitney_on_events(self, events, engine):
+        for e in events:
+            if isinstance(e, StepCompleted):
+                self.query += e.prefix_query_tokens
+                self.hit += e.prefix_hit_tokens
+                self.prefill += e.prefill_tokens
+                self.forward_s += e.forward_s
+                self.steps += 1
+
+
+def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sharing: bool = True):
     from jitney import Engine, EngineConfig, Request, SamplingParams
 
     need = sum(-(-(len(p) + n) // args.block_size) for p, n in work)
-    config = EngineConfig(max_batch_tokens=args.max_batch_tokens, block_size=args.block_size, num_blocks=need,
-                          max_requests_per_batch=max(64, len(work)))
-    engine = Engine(model, tokenizer, config)
+    config = EngineConfig(max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
+                          num_blocks=args.num_blocks or need, max_requests_per_batch=max(64, len(work)),
+                          eviction=eviction, allow_block_sharing=sharing)
+    stats = StepStats()
+    engine = Engine(model, tokenizer, config, plugins=[stats])
     out: list[list[int]] = [[] for _ in work]
 
     async def main() -> None:
@@ -71,7 +97,7 @@ def run_jitney(model, tokenizer, work: Workload, args) -> list[list[int]]:
                     tg.start_soon(one, i)
 
     anyio.run(main)
-    return out
+    return out, stats
 
 
 def run_hf_cb(model, tokenizer, work: Workload, args) -> list[list[int]]:
@@ -104,7 +130,21 @@ def run_hf_static(model, tokenizer, work: Workload, args) -> list[list[int]]:
     return out
 
 
-RUNNERS = {"jitney": run_jitney, "hf-cb": run_hf_cb, "hf-static": run_hf_static}
+def runs(args) -> list[tuple[str, Callable]]:
+    """(label, runner) for each requested mode; jitney runs once per eviction policy."""
+    out = []
+    for mode in args.modes.split(","):
+        if mode == "jitney":
+            for policy in args.eviction.split(","):
+                label = "jitney" if policy == "mru" and "," not in args.eviction else f"jitney[{policy}]"
+                out.append((label, lambda m, t, w, a, p=policy: run_jitney(m, t, w, a, eviction=p)))
+        elif mode == "jitney-nocache":
+            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, sharing=False)))
+        elif mode in ("hf-cb", "hf-static"):
+            out.append((mode, run_hf_cb if mode == "hf-cb" else run_hf_static))
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+    return out
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -117,7 +157,9 @@ def main(args) -> int:
 
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model)
-    work = WORKLOADS[args.workload](model.config.get_text_config().vocab_size)
+    vocab = model.config.get_text_config().vocab_size
+    # long-prompt is sized by the token budget it has to chunk across
+    work = long_prompt(vocab, args.max_batch_tokens) if args.workload == "long-prompt" else WORKLOADS[args.workload](vocab)
     out_tokens = sum(n for _, n in work)
     print(f"workload {args.workload}: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt and "
           f"{out_tokens} output tokens; torch threads {torch.get_num_threads()}")
@@ -125,27 +167,31 @@ def main(args) -> int:
     gflop = workload_gflop(model, work)
     print(f"fp32 matmul peak {peak:.0f} GFLOP/s; workload {gflop:.0f} GFLOP -> {gflop / peak:.1f} s at the roofline")
     rows, outputs = [], {}
-    for mode in args.modes.split(","):
+    for label, runner in runs(args):
         t = time.perf_counter()
-        outputs[mode] = RUNNERS[mode](model, tokenizer, work, args)
+        result = runner(model, tokenizer, work, args)
         wall = time.perf_counter() - t
-        rows.append({
-            "mode": mode, "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1),
+        outputs[label], stats = result if isinstance(result, tuple) else (result, None)
+        row = {
+            "mode": label, "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1),
             "roofline_share": round(gflop / peak / wall, 3),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
-        })
-        print(f"  {mode}: {wall:.1f} s", flush=True)
-    base = outputs.get("jitney")
-    print(f"\n{'mode':<10} {'wall s':>8} {'out tok/s':>10} {'roofline':>9} {'same tokens as jitney':>22} {'peak RSS MiB':>13}")
+        }
+        if stats is not None:
+            row |= {"prefix_hit_rate": round(stats.hit / max(1, stats.query), 3), "prompt_tokens_computed": stats.prefill,
+                    "steps": stats.steps, "forward_share": round(stats.forward_s / wall, 3)}
+        rows.append(row)
+        print(f"  {label}: {wall:.1f} s", flush=True)
+    base = outputs[rows[0]["mode"]]
+    print(f"\n{'mode':<14} {'wall s':>7} {'out tok/s':>9} {'vs first':>8} {'roofline':>8} {'hit rate':>8} "
+          f"{'prompt computed':>15} {'same tokens':>11} {'peak RSS MiB':>12}")
     for row in rows:
-        same = agreement(outputs[row["mode"]], base) if base else float("nan")
-        row["same_tokens_as_jitney"] = same
-        print(f"{row['mode']:<10} {row['wall_s']:>8.1f} {row['output_tok_s']:>10.1f} {row['roofline_share']:>8.0%} "
-              f"{same:>21.0%} {row['peak_rss_mib']:>13}")
-    if base:
-        for row in rows:
-            if row["mode"] != "jitney":
-                print(f"jitney / {row['mode']}: {rows[0]['output_tok_s'] / row['output_tok_s']:.2f}x")
+        row["same_tokens_as_first"] = agreement(outputs[row["mode"]], base)
+        hit = f"{row['prefix_hit_rate']:.0%}" if "prefix_hit_rate" in row else "-"
+        computed = str(row.get("prompt_tokens_computed", "-"))
+        print(f"{row['mode']:<14} {row['wall_s']:>7.1f} {row['output_tok_s']:>9.1f} "
+              f"{row['output_tok_s'] / rows[0]['output_tok_s']:>7.2f}x {row['roofline_share']:>8.0%} {hit:>8} "
+              f"{computed:>15} {row['same_tokens_as_first']:>11.0%} {row['peak_rss_mib']:>12}")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"workload": args.workload, "matmul_peak_gflops": peak, "workload_gflop": gflop, "rows": rows}, f, indent=2)

@@ -31,6 +31,16 @@ def shared_prefix(vocab_size: int) -> Workload:
     return [(system + [rng.randrange(100, vocab_size) for _ in range(32)], 64) for _ in range(64)]
 
 
+def multi_prefix(vocab_size: int) -> Workload:
+    """64 requests over 8 system prompts of 256 tokens, in shuffled order, each with a 32-token question and
+    32 new tokens: with a cache too small for every prefix, the eviction policy decides the hit rate."""
+    rng = random.Random(11)
+    systems = [[rng.randrange(100, vocab_size) for _ in range(256)] for _ in range(8)]
+    order = [i % 8 for i in range(64)]
+    rng.shuffle(order)
+    return [(systems[k] + [rng.randrange(100, vocab_size) for _ in range(32)], 32) for k in order]
+
+
 def sharegpt_like(vocab_size: int) -> Workload:
     """64 requests with a chat-like length mix: log-normal prompts (median ~100) and outputs (median ~150)."""
     rng = random.Random(2024)
@@ -42,4 +52,7 @@ def sharegpt_like(vocab_size: int) -> Workload:
     return out
 
 
-WORKLOADS = {"mixed-64": mixed_64, "long-prompt": long_prompt, "shared-prefix": shared_prefix, "sharegpt-like": sharegpt_like}
+WORKLOADS = {
+    "mixed-64": mixed_64, "long-prompt": long_prompt, "shared-prefix": shared_prefix, "multi-prefix": multi_prefix,
+    "sharegpt-like": sharegpt_like,
+}

@@ -56,5 +56,8 @@ def load_model(model: str | os.PathLike | PreTrainedModel, tokenizer=None):
         raise FileNotFoundError(f"no model at {str(model)!r}: give a local checkpoint directory or {EMBEDDED!r}")
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):  # a checkpoint without a tokenizer still serves token-id prompts
+            tokenizer = None
     return loaded.eval(), tokenizer
