@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL  := $(VENV)/.model
 
-.PHONY: demo test setup bench clean
+.PHONY: demo test nightly setup bench clean
 
 setup: $(MODEL)
 
@@ -28,6 +28,9 @@ demo: $(MODEL)
 
 test: $(MODEL)
 	$(BIN)/pytest
+
+nightly: $(MODEL)
+	$(BIN)/pytest -m nightly
 
 bench: $(MODEL)
 	$(BIN)/jitney bench --workload mixed-64

@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "continuous batching), hf-static (transformers generate)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies: one jitney run each")
     parser.add_argument("--num-blocks", type=int, default=None, help="jitney's cache size (default: the whole workload fits)")
+    parser.add_argument("--cache-share", type=float, default=None,
+                        help="jitney's cache as a share of what the workload needs at once (e.g. 0.25)")
+    parser.add_argument("--cpu-offload-space", type=float, default=0.0, help="GiB of swap pool for jitney (0: soft reset only)")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--static-batch", type=int, default=16)
@@ -62,7 +65,8 @@ class StepStats:
     """Sums each step's events: prefix lookups and hits, prompt tokens computed, time in the forward."""
 
     def __init__(self):
-        self.query = self.hit = self.prefill = self.forward_s = self.steps = 0
+        self.query = self.hit = self.prefill = self.forward_s = self.steps = self.preemptions = 0
+        self.gaps: list[float] = []  # seconds between consecutive tokens of a request, as its consumer saw them
 
     @hookimpl
     def jitney_on_events(self, events, engine):
@@ -73,15 +77,17 @@ class StepStats:
                 self.prefill += e.prefill_tokens
                 self.forward_s += e.forward_s
                 self.steps += 1
+                self.preemptions += e.preemptions
 
 
 def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sharing: bool = True):
     from jitney import Engine, EngineConfig, Request, SamplingParams
 
     need = sum(-(-(len(p) + n) // args.block_size) for p, n in work)
+    num_blocks = args.num_blocks or (int(need * args.cache_share) if args.cache_share else need)
     config = EngineConfig(max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
-                          num_blocks=args.num_blocks or need, max_requests_per_batch=max(64, len(work)),
-                          eviction=eviction, allow_block_sharing=sharing)
+                          num_blocks=num_blocks, max_requests_per_batch=max(64, len(work)),
+                          eviction=eviction, allow_block_sharing=sharing, cpu_offload_space=args.cpu_offload_space)
     stats = StepStats()
     engine = Engine(model, tokenizer, config, plugins=[stats])
     out: list[list[int]] = [[] for _ in work]
@@ -90,7 +96,13 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
         async with engine:
             async def one(i: int) -> None:
                 prompt, n = work[i]
-                out[i] = (await engine.generate(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)))).token_ids
+                last = time.perf_counter()
+                async for tok in engine.stream(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))):
+                    now = time.perf_counter()
+                    if out[i]:
+                        stats.gaps.append(now - last)
+                    out[i].append(tok.token_id)
+                    last = now
 
             async with anyio.create_task_group() as tg:
                 for i in range(len(work)):
@@ -178,20 +190,24 @@ def main(args) -> int:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         }
         if stats is not None:
+            gaps = sorted(stats.gaps) or [0.0]
             row |= {"prefix_hit_rate": round(stats.hit / max(1, stats.query), 3), "prompt_tokens_computed": stats.prefill,
-                    "steps": stats.steps, "forward_share": round(stats.forward_s / wall, 3)}
+                    "steps": stats.steps, "forward_share": round(stats.forward_s / wall, 3),
+                    "preemptions": stats.preemptions, "itl_p50_ms": round(1000 * gaps[len(gaps) // 2], 1),
+                    "itl_p99_ms": round(1000 * gaps[int(len(gaps) * 0.99)], 1), "itl_max_ms": round(1000 * gaps[-1], 1)}
         rows.append(row)
         print(f"  {label}: {wall:.1f} s", flush=True)
     base = outputs[rows[0]["mode"]]
     print(f"\n{'mode':<14} {'wall s':>7} {'out tok/s':>9} {'vs first':>8} {'roofline':>8} {'hit rate':>8} "
-          f"{'prompt computed':>15} {'same tokens':>11} {'peak RSS MiB':>12}")
+          f"{'prompt computed':>15} {'ITL p99 ms':>10} {'preempted':>9} {'same tokens':>11} {'peak RSS MiB':>12}")
     for row in rows:
         row["same_tokens_as_first"] = agreement(outputs[row["mode"]], base)
         hit = f"{row['prefix_hit_rate']:.0%}" if "prefix_hit_rate" in row else "-"
         computed = str(row.get("prompt_tokens_computed", "-"))
+        itl, preempted = str(row.get("itl_p99_ms", "-")), str(row.get("preemptions", "-"))
         print(f"{row['mode']:<14} {row['wall_s']:>7.1f} {row['output_tok_s']:>9.1f} "
               f"{row['output_tok_s'] / rows[0]['output_tok_s']:>7.2f}x {row['roofline_share']:>8.0%} {hit:>8} "
-              f"{computed:>15} {row['same_tokens_as_first']:>11.0%} {row['peak_rss_mib']:>12}")
+              f"{computed:>15} {itl:>10} {preempted:>9} {row['same_tokens_as_first']:>11.0%} {row['peak_rss_mib']:>12}")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"workload": args.workload, "matmul_peak_gflops": peak, "workload_gflop": gflop, "rows": rows}, f, indent=2)

@@ -20,6 +20,7 @@ from jitney.core.detokenizer import Detokenizer
 from jitney.core.executor import StepExecutor
 from jitney.core.hooks import make_plugin_manager, registry
 from jitney.core.models import load_model
+from jitney.core.preemption import Preempter
 from jitney.core.request import Completion, Request, RequestError, RequestStatus, Sample, Token
 from jitney.core.sequence import Collector, Sequence
 from jitney.kernels.base import ATTN_NAME
@@ -48,13 +49,14 @@ class Engine:
         self.cache = self._build_cache(mc, param.dtype, param.device)
         self.executor = StepExecutor(model, self.cache, backend)
         self.stop_ids = _stop_ids(model, tokenizer)
+        offload = registry(self.plugins, "offload backend").create(config.offload_backend, config, self.cache)
+        self.preempter = Preempter(self, offload)
         self.waiting: list[Sequence] = []
         self.active: list[Sequence] = []
         self.requests: dict[str, Collector] = {}  # unfinished requests, by id
         self.step_count = 0
-        self.preemptions = 0
         self._arrivals = 0
-        self._events: list[ev.Event] = []
+        self.events: list[ev.Event] = []  # this step's, published once it ends
         self._wake = anyio.Event()
         self._running = False
         self._task_group = None
@@ -135,7 +137,7 @@ class Engine:
         self._arrivals += 1
         self.requests[request.request_id] = seq.collector
         self.waiting.append(seq)
-        self._events.append(ev.RequestQueued(t=seq.t_queued, request_id=seq.request_id,
+        self.events.append(ev.RequestQueued(t=seq.t_queued, request_id=seq.request_id,
                                              prompt_tokens=len(prompt_ids), max_new_tokens=request.params.max_new_tokens))
         self._wake.set()
         return seq.collector
@@ -176,7 +178,7 @@ class Engine:
 
     async def _loop(self) -> None:
         while self._running or self.requests:
-            if not (self.waiting or self.active):
+            if not (self.waiting or self.active or self.preempter.offloaded):
                 self._flush_events()
                 await self._wake.wait()
                 self._wake = anyio.Event()
@@ -185,7 +187,7 @@ class Engine:
 
     async def _step(self) -> None:
         t0 = time.perf_counter()
-        demoted = self.cache.blocks_demoted
+        demoted, preempted = self.cache.blocks_demoted, self.preempter.total
         batch = self._schedule()
         admitted = {s.request_id for s, _ in batch.entries if s.status is RequestStatus.PENDING}
         if admitted:
@@ -197,7 +199,7 @@ class Engine:
                 bisect.insort(self.active, seq, key=lambda s: s.arrival)
                 queried += seq.num_tokens
                 hit += seq.num_computed
-                self._events.append(ev.PrefillStarted(t=t0, request_id=seq.request_id, cached_tokens=seq.num_computed))
+                self.events.append(ev.PrefillStarted(t=t0, request_id=seq.request_id, cached_tokens=seq.num_computed))
         try:
             prepared = self.executor.prepare(batch.entries)
             tokens = await anyio.to_thread.run_sync(self.executor.forward, prepared)
@@ -210,28 +212,35 @@ class Engine:
         self._apply(batch.entries, tokens)
         self.step_count += 1
         prefill = sum(n for s, n in batch.entries if n > 1)
-        self._events.append(ev.StepCompleted(
+        self.events.append(ev.StepCompleted(
             t=time.perf_counter(), step=self.step_count, requests=len(batch.entries), prefill_tokens=prefill,
             decode_tokens=batch.num_tokens - prefill, forward_s=self.executor.forward_s,
             step_s=time.perf_counter() - t0, waiting=len(self.waiting), running=len(self.active),
             free_blocks=self.cache.num_free_blocks, total_blocks=self.cache.num_blocks,
             prefix_query_tokens=queried, prefix_hit_tokens=hit, blocks_demoted=self.cache.blocks_demoted - demoted,
+            preemptions=self.preempter.total - preempted, offloaded=len(self.preempter.offloaded),
         ))
         self._flush_events()
 
     def _schedule(self) -> Batch:
-        """Ask the scheduler for a batch; free what it wants preempted, and if nothing fits at all, soft reset
-        the newest active request, then ask again, until a batch fits."""
+        """Ask the scheduler for a batch, handling memory pressure: offloaded requests come back first when
+        there is room; what the scheduler asks to preempt is preempted; if some active requests stalled, enough
+        requests outside the batch are preempted that they can allocate next step; if nothing fits at all,
+        requests are preempted and the scheduler asked again, within this step."""
+        pre = self.preempter
         while True:
+            pre.resume()
             batch = self.scheduler.schedule(self.waiting, self.active, self.cache)
             if batch.preempt:
-                for seq in batch.preempt:
-                    self._soft_reset(seq)
-            elif batch.entries:
+                pre.preempt(batch.preempt)
+                continue
+            demand = sum(need for _, need in batch.stalled)
+            if batch.entries:
+                if demand:
+                    pre.relieve(demand, keep={s.request_id for s, _ in batch.entries})
                 return batch
-            elif len(self.active) > 1:
-                self._soft_reset(self.active[-1])
-            else:  # submit() refuses requests that cannot fit in the whole cache, so this is a scheduler bug
+            if not pre.relieve(max(demand, 1), keep=set()):
+                # submit() refuses requests that cannot fit in the whole cache, so this is a scheduler bug
                 raise RuntimeError(f"scheduler {self.config.scheduler!r} returned an empty batch with work waiting")
 
     def _apply(self, entries: list[tuple[Sequence, int]], tokens: list[list[int] | None]) -> None:
@@ -242,7 +251,7 @@ class Engine:
             seq.num_computed += n
             self.cache.commit(seq)
             if drawn is None:
-                self._events.append(ev.PrefillChunk(t=now, request_id=seq.request_id, tokens=n, computed=seq.num_computed))
+                self.events.append(ev.PrefillChunk(t=now, request_id=seq.request_id, tokens=n, computed=seq.num_computed))
                 continue
             forks, seq.forks = seq.forks, []
             for child, tok in zip(forks, drawn[1:]):
@@ -266,23 +275,13 @@ class Engine:
             seq.t_first_token = now
             if seq.status is not RequestStatus.PENDING:
                 seq.status = RequestStatus.DECODING
-            self._events.append(ev.FirstToken(t=now, request_id=seq.request_id, ttft=now - seq.t_queued))
-        self._events.append(ev.TokensGenerated(t=now, request_id=seq.request_id, tokens=1, total=len(seq.output_ids)))
+            self.events.append(ev.FirstToken(t=now, request_id=seq.request_id, ttft=now - seq.t_queued))
+        self.events.append(ev.TokensGenerated(t=now, request_id=seq.request_id, tokens=1, total=len(seq.output_ids)))
         seq.collector.put(seq.index, tok)
         if tok in seq.stop_ids:
             self._finish(seq, "stop")
         elif len(seq.output_ids) >= seq.params.max_new_tokens:
             self._finish(seq, "length")
-
-    def _soft_reset(self, seq: Sequence) -> None:
-        """Free a request's cache and queue it again; it will prefill its prompt and outputs so far."""
-        self.cache.release(seq.request_id)
-        self.active.remove(seq)
-        seq.num_computed = 0
-        seq.status = RequestStatus.PENDING
-        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
-        self.preemptions += 1
-        self._events.append(ev.RequestSoftReset(t=time.perf_counter(), request_id=seq.request_id, tokens=seq.num_tokens))
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         self.cache.release(seq.request_id)
@@ -290,12 +289,14 @@ class Engine:
             self.active.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            self.preempter.forget(seq)
         seq.finish_reason, seq.error = reason, error
         seq.status = {"error": RequestStatus.FAILED, "cancelled": RequestStatus.CANCELLED}.get(reason, RequestStatus.FINISHED)
         now = time.perf_counter()
         if error is not None:
-            self._events.append(ev.RequestFailed(t=now, request_id=seq.request_id, error=error))
-        self._events.append(ev.RequestFinished(
+            self.events.append(ev.RequestFailed(t=now, request_id=seq.request_id, error=error))
+        self.events.append(ev.RequestFinished(
             t=now, request_id=seq.request_id, finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
             output_tokens=len(seq.output_ids), latency=now - seq.t_queued,
         ))
@@ -307,9 +308,9 @@ class Engine:
             self.requests.pop(seq.request.request_id, None)
 
     def _flush_events(self) -> None:
-        if not self._events:
+        if not self.events:
             return
-        batch, self._events = self._events, []
+        batch, self.events = self.events, []
         observe = getattr(self.scheduler, "on_events", None)
         if observe is not None:
             observe(batch)

@@ -62,6 +62,20 @@ class RequestFailed(Event, frozen=True):
     error: str
 
 
+class RequestOffloaded(Event, frozen=True):
+    """The request's blocks moved to the offload backend to free cache; it resumes later without recomputing."""
+
+    request_id: str
+    blocks: int
+
+
+class RequestResumed(Event, frozen=True):
+    """An offloaded request's blocks came back into the cache."""
+
+    request_id: str
+    blocks: int
+
+
 class RequestSoftReset(Event, frozen=True):
     """The request's cache was dropped to free blocks; it re-queues with its outputs appended to its prompt."""
 
@@ -89,9 +103,13 @@ class StepCompleted(Event, frozen=True):
     """Of those, tokens found cached (their prefill was skipped)."""
     blocks_demoted: int = 0
     """Cached blocks whose content was dropped this step to make room."""
+    preemptions: int = 0
+    """Requests offloaded or soft reset this step."""
+    offloaded: int = 0
+    """Requests waiting in the offload backend after this step."""
 
 
 AnyEvent = Union[
     RequestQueued, PrefillStarted, PrefillChunk, FirstToken, TokensGenerated, RequestFinished, RequestFailed,
-    RequestSoftReset, StepCompleted,
+    RequestOffloaded, RequestResumed, RequestSoftReset, StepCompleted,
 ]

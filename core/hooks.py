@@ -46,6 +46,15 @@ class Hookspecs:
         """
 
     @hookspec
+    def jitney_register_offload_backends(self, register: Callable[[str, Callable[..., Any]], None]) -> None:
+        """Register offload backend factories, called once when an engine starts.
+
+        Call ``register(name, factory)``; ``factory(config, cache)`` returns an object following
+        `jitney.cache.offload.OffloadBackend`, or None when the config turns it off. The config's
+        ``offload_backend`` field selects one by name.
+        """
+
+    @hookspec
     def jitney_engine_started(self, engine: Any) -> None:
         """The engine's step loop has started."""
 
@@ -76,6 +85,7 @@ def make_plugin_manager(plugins: Iterable[object] = ()) -> pluggy.PluginManager:
 ROLES = {
     "scheduler": "jitney_register_schedulers",
     "eviction policy": "jitney_register_eviction_policies",
+    "offload backend": "jitney_register_offload_backends",
     "attention backend": "jitney_register_attention_backends",
 }
 """Each plugin role and the registration hook that fills it."""

@@ -114,11 +114,16 @@ class BatchBuilder:
         n = min(seq.remaining, self.tokens_left)
         total = seq.num_computed + n
         reads = -(-total // self.cache.block_size)
-        result = "full" if reads > self.blocks_left and self.batch.entries else "ok"
-        if result == "ok" and not self.cache.reserve(seq.request_id, total):
+        need = self.cache.blocks_needed(seq.request_id, total)
+        result = "ok"
+        if need > self.cache.num_free_blocks:
             result = "cache"
             if not new:
-                self.batch.stalled.append((seq, self.cache.blocks_needed(seq.request_id, total)))
+                self.batch.stalled.append((seq, need))
+        elif reads > self.blocks_left and self.batch.entries:
+            result = "full"
+        elif not self.cache.reserve(seq.request_id, total):
+            result = "cache"
         if result != "ok":
             if new:  # undo the prefix match: the cached blocks stay cached, and may be demoted meanwhile
                 self.cache.release(seq.request_id)

@@ -1,0 +1,95 @@
+"""Memory pressure: preempting requests (offload or soft reset) to free cache, and bringing them back."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import TYPE_CHECKING
+
+from jitney.core import events as ev
+from jitney.core.request import RequestStatus
+from jitney.core.sequence import Sequence
+
+if TYPE_CHECKING:
+    from jitney.cache.offload import OffloadBackend
+    from jitney.core.engine import Engine
+
+
+def _by_arrival(seq: Sequence) -> int:
+    return seq.arrival
+
+
+class Preempter:
+    """Frees cache for stalled requests, the seed's way: the fewest requests that cover the demand, newest
+    first, never one in the step's batch and never the last active one. A preempted request goes to the
+    offload backend when it has room (all of a step's offloads in one batched copy) and comes back later
+    without recomputation; otherwise it is soft reset: its blocks are freed and it queues again, to prefill
+    its prompt plus the tokens it already produced (prefix caching often still holds most of them)."""
+
+    def __init__(self, engine: Engine, backend: OffloadBackend | None):
+        self.engine = engine
+        self.backend = backend
+        self.offloaded: list[Sequence] = []  # arrival order
+        self._stored: dict[str, int] = {}  # request id -> blocks held in the backend
+        self.total = 0  # preemptions since the engine started
+
+    def relieve(self, demand: int, keep: set[str]) -> bool:
+        """Preempt the newest active requests outside `keep` until `demand` blocks are freed (or only one
+        active request is left). Returns whether anything was preempted."""
+        active, cache = self.engine.active, self.engine.cache
+        victims, freed = [], 0
+        for seq in reversed(active):
+            if freed >= demand or len(active) - len(victims) <= 1:
+                break
+            if seq.request_id not in keep:
+                victims.append(seq)
+                freed += cache.blocks_held(seq.request_id)
+        self.preempt(victims)
+        return bool(victims)
+
+    def preempt(self, victims: list[Sequence]) -> None:
+        cache = self.engine.cache
+        room = self.backend.free_blocks() if self.backend is not None else 0
+        store = {}
+        for seq in victims:
+            held = cache.blocks_held(seq.request_id)
+            if 0 < held <= room:
+                store[seq.request_id] = [cache.block_table(seq.request_id, g) for g in range(len(cache.groups))]
+                room -= held
+        if store:
+            self.backend.store(cache, store)
+        now = time.perf_counter()
+        for seq in victims:
+            self.total += 1
+            self.engine.active.remove(seq)
+            if seq.request_id in store:
+                self._stored[seq.request_id] = cache.blocks_held(seq.request_id)
+                bisect.insort(self.offloaded, seq, key=_by_arrival)
+                self.engine.events.append(ev.RequestOffloaded(t=now, request_id=seq.request_id, blocks=self._stored[seq.request_id]))
+            else:
+                seq.num_computed = 0
+                seq.status = RequestStatus.PENDING
+                bisect.insort(self.engine.waiting, seq, key=_by_arrival)
+                self.engine.events.append(ev.RequestSoftReset(t=now, request_id=seq.request_id, tokens=seq.num_tokens))
+            cache.release(seq.request_id)
+
+    def resume(self) -> None:
+        """Bring offloaded requests back, oldest first, while the cache keeps a block to spare for each."""
+        cache = self.engine.cache
+        while self.offloaded:
+            seq = self.offloaded[0]
+            blocks = self._stored[seq.request_id]
+            if cache.num_free_blocks < blocks + 1 or not cache.reserve(seq.request_id, blocks * cache.block_size):
+                return
+            self.offloaded.pop(0)
+            del self._stored[seq.request_id]
+            self.backend.load(cache, seq.request_id, [cache.block_table(seq.request_id, g) for g in range(len(cache.groups))])
+            bisect.insort(self.engine.active, seq, key=_by_arrival)
+            self.engine.events.append(ev.RequestResumed(t=time.perf_counter(), request_id=seq.request_id, blocks=blocks))
+
+    def forget(self, seq: Sequence) -> None:
+        """An offloaded request ended (aborted) before coming back."""
+        if seq.request_id in self._stored:
+            self.offloaded.remove(seq)
+            del self._stored[seq.request_id]
+            self.backend.discard(seq.request_id)
