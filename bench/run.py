@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=None, help="jitney's cache size (default: the whole workload fits)")
     parser.add_argument("--cache-share", type=float, default=None,
                         help="jitney's cache as a share of what the workload needs at once (e.g. 0.25)")
+    parser.add_argument("--safety-margin", type=float, default=None, help="jitney's safety margin (default: the scheduler's)")
     parser.add_argument("--cpu-offload-space", type=float, default=0.0, help="GiB of swap pool for jitney (0: soft reset only)")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
@@ -87,7 +88,8 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
     num_blocks = args.num_blocks or (int(need * args.cache_share) if args.cache_share else need)
     config = EngineConfig(max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
                           num_blocks=num_blocks, max_requests_per_batch=max(64, len(work)),
-                          eviction=eviction, allow_block_sharing=sharing, cpu_offload_space=args.cpu_offload_space)
+                          eviction=eviction, allow_block_sharing=sharing, cpu_offload_space=args.cpu_offload_space,
+                          safety_margin=args.safety_margin)
     stats = StepStats()
     engine = Engine(model, tokenizer, config, plugins=[stats])
     out: list[list[int]] = [[] for _ in work]
