@@ -36,6 +36,22 @@ def _setup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from jitney import EngineConfig
+    from jitney.serve.app import serve
+
+    config = EngineConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
+                          cpu_offload_space=args.cpu_offload_space)
+    serve(args.model, args.host, args.port, args.api_key, args.max_waiting, config)
+    return 0
+
+
+def _bench_online(args: argparse.Namespace) -> int:
+    from jitney.bench.online import main as online_main
+
+    return online_main(args)
+
+
 def _plugins(args: argparse.Namespace) -> int:
     from jitney.core.hooks import describe_plugins, make_plugin_manager
 
@@ -72,6 +88,23 @@ def main(argv: list[str] | None = None) -> int:
 
     setup = sub.add_parser("setup", help="convert the embedded SmolLM2 once and print where it is cached")
     setup.set_defaults(func=_setup)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    srv.add_argument("--model", default="smollm2", help='a local checkpoint directory, or "smollm2" (default)')
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every endpoint but /health")
+    srv.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond this get 429 at once")
+    srv.add_argument("--max-batch-tokens", type=int, default=256)
+    srv.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from free memory)")
+    srv.add_argument("--cpu-offload-space", type=float, default=1.0, help="GiB of swap pool for preempted requests")
+    srv.set_defaults(func=_serve)
+
+    online = sub.add_parser("bench-online", help="Poisson arrivals of streaming clients against a server")
+    from jitney.bench.online import add_arguments as add_online_arguments
+
+    add_online_arguments(online)
+    online.set_defaults(func=_bench_online)
 
     plugins = sub.add_parser("plugins", help="list every registered plugin by role, with the package providing it")
     plugins.set_defaults(func=_plugins)

@@ -21,7 +21,7 @@ from jitney.core.executor import StepExecutor
 from jitney.core.hooks import make_plugin_manager, registry
 from jitney.core.models import load_model
 from jitney.core.preemption import Preempter
-from jitney.core.request import Completion, Request, RequestError, RequestStatus, Sample, Token
+from jitney.core.request import Completion, Request, RequestError, RequestStatus, Sample, Token, cut_at_stop
 from jitney.core.sequence import Collector, Sequence
 from jitney.kernels.base import ATTN_NAME
 
@@ -278,10 +278,16 @@ class Engine:
             self.events.append(ev.FirstToken(t=now, request_id=seq.request_id, ttft=now - seq.t_queued))
         self.events.append(ev.TokensGenerated(t=now, request_id=seq.request_id, tokens=1, total=len(seq.output_ids)))
         seq.collector.put(seq.index, tok)
-        if tok in seq.stop_ids:
+        if tok in seq.stop_ids or (seq.params.stop and self._hit_stop_string(seq)):
             self._finish(seq, "stop")
         elif len(seq.output_ids) >= seq.params.max_new_tokens:
             self._finish(seq, "length")
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        # Decode only a window at the end: enough for the longest stop string plus the new token's text.
+        window = max(map(len, seq.params.stop)) + 16
+        tail = self.decode(seq.output_ids[-window:])
+        return cut_at_stop(tail, seq.params.stop)[1]
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         self.cache.release(seq.request_id)
@@ -416,7 +422,8 @@ class TokenStream:
             raise RuntimeError("the request has not finished")
         first = self.collector.samples[0]
         samples = [
-            Sample(s.index, list(s.output_ids), self.engine.decode(s.output_ids), s.finish_reason or "cancelled")
+            Sample(s.index, list(s.output_ids), cut_at_stop(self.engine.decode(s.output_ids), s.params.stop)[0],
+                   s.finish_reason or "cancelled")
             for s in sorted(self.collector.samples, key=lambda s: s.index)
         ]
         return Completion(

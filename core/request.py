@@ -24,6 +24,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Tokens that end the request; `None` means the model's end-of-sequence tokens."""
     ignore_eos: bool = False
     """Keep generating through stop tokens until `max_new_tokens`."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the request once its text contains one; the text returned stops before it."""
     n: int = 1
     """Parallel samples of the prompt; they share its cache blocks (sample i is seeded with seed + i)."""
 
@@ -34,6 +36,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"SamplingParams.temperature must be >= 0 (got {self.temperature})")
         if self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be >= 0 (got {self.top_k})")
+        if any(not s for s in self.stop):
+            raise ValueError("SamplingParams.stop strings must not be empty")
         if self.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1 (got {self.n})")
         if not 0.0 < self.top_p <= 1.0:
@@ -126,3 +130,9 @@ class Completion:
 
 class RequestError(RuntimeError):
     """A request failed inside the engine (the message says why); other requests carry on."""
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """`text` up to the first stop string, and whether one was found."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)

@@ -1,0 +1,162 @@
+"""The OpenAI-compatible server on a loopback port, driven by the real `openai` client."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import anyio
+import httpx
+import openai
+import pytest
+import uvicorn
+from starlette.testclient import TestClient
+
+from jitney import Engine, EngineConfig, Request, SamplingParams
+from jitney.plugins.metrics import PrometheusMetrics
+from jitney.serve import build_app
+
+KEY = "test-key"
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name a color."}]
+CONFIG = EngineConfig(num_blocks=256, max_batch_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2):
+    """Greedy texts from the engine called directly, before the server takes the model."""
+    model, tokenizer = smollm2
+    chat_ids = list(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)["input_ids"])
+
+    async def run():
+        async with Engine(model, tokenizer, CONFIG) as engine:
+            a = await engine.generate(Request(PROMPT, SamplingParams(max_new_tokens=12)))
+            b = await engine.generate(Request(chat_ids, SamplingParams(max_new_tokens=12)))
+            return a.text, b.text
+
+    return anyio.run(run)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, expected):
+    model, tokenizer = smollm2
+    metrics = PrometheusMetrics()
+    engine = Engine(model, tokenizer, CONFIG, plugins=[metrics])
+    app = build_app(engine, "smollm2", metrics, api_key=KEY, max_body_bytes=64 * 1024)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not srv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_completions_match_the_engine(client, expected):
+    out = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.choices[0].text == expected[0]
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 12 and out.usage.prompt_tokens == 5
+    pieces = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(pieces)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected[0]
+    assert chunks[-1].usage.total_tokens == 17
+
+
+def test_chat_matches_the_engine(client, expected):
+    out = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12, temperature=0)
+    assert out.choices[0].message.content == expected[1]
+    stream = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected[1]
+
+
+def test_stop_strings_and_several_samples(client, expected):
+    cut = expected[0].split()[1]  # a word in the middle of the greedy answer
+    out = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, stop=[cut], n=2)
+    assert [c.text for c in out.choices] == [expected[0][: expected[0].index(cut)]] * 2
+    assert all(c.finish_reason == "stop" for c in out.choices)
+
+
+def test_models_health_and_auth(server, client):
+    assert [m.id for m in client.models.list()] == ["smollm2"]
+    url = server[0]
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
+    url, engine = server
+    start = engine.num_free_blocks
+    body = {"model": "smollm2", "prompt": "Tell me a long story.", "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 6:
+                break
+    deadline = time.time() + 10
+    while (engine.requests or engine.num_free_blocks != start) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not engine.requests
+    assert engine.num_free_blocks == start
+
+
+@pytest.mark.parametrize(
+    "path, body, status, words",
+    [
+        ("/v1/completions", b"{not json", 400, "malformed JSON"),
+        ("/v1/completions", b'{"model": "smollm2"}', 400, "prompt"),
+        ("/v1/completions", b'{"model": "smollm2", "prompt": ""}', 400, "empty"),
+        ("/v1/chat/completions", b'{"model": "smollm2", "messages": []}', 400, "messages"),
+        ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+        ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "max_tokens": 100000}', 400, "context"),
+        ("/v1/completions", b'{"model": "gpt-9", "prompt": "hi"}', 404, "gpt-9"),
+        ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "logprobs": 3, "presence_penalty": 1}', 400,
+         "logprobs, presence_penalty"),
+        ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "temperature": -1}', 400, "temperature"),
+        ("/v1/completions", b'{"model": "smollm2", "prompt": "' + b"x" * 70000 + b'"}', 413, "over"),
+    ],
+)
+def test_bad_input_gets_an_openai_style_4xx_and_the_server_keeps_serving(server, client, expected, path, body, status, words):
+    r = httpx.post(server[0] + path, content=body, headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert words in error["message"] and error["type"]
+    assert client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text == expected[0]
+
+
+def test_metrics_move(server, client):
+    def value(name):
+        text = httpx.get(server[0] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{"))
+
+    before = value("jitney_generation_tokens_total"), value("jitney_time_to_first_token_seconds_count")
+    client.completions.create(model="smollm2", prompt="Hello", max_tokens=5, temperature=0)
+    after = value("jitney_generation_tokens_total"), value("jitney_time_to_first_token_seconds_count")
+    assert after[0] - before[0] == 5 and after[1] - before[1] == 1
+    for name in ("jitney_inter_token_latency_seconds_count", "jitney_request_latency_seconds_count", "jitney_queue_time_seconds_count",
+                 "jitney_requests_running", "jitney_kv_cache_usage_ratio", "jitney_preemptions_total",
+                 "jitney_prefix_cache_query_tokens_total"):
+        assert value(name) >= 0
+    assert value("jitney_prefix_cache_query_tokens_total") > 0
+
+
+def test_overload_answers_429_at_once(server):
+    # A second app over the running engine (no lifespan: the module's server runs it) whose queue bound is 0.
+    app = build_app(server[1], "smollm2", PrometheusMetrics(), max_waiting=0)
+    r = TestClient(app).post("/v1/completions", json={"model": "smollm2", "prompt": "hi"})
+    assert r.status_code == 429
+    assert r.json()["error"]["type"] == "rate_limit_exceeded"
