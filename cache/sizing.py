@@ -33,10 +33,16 @@ def step_overhead_bytes(
     return (activations + logits) * dtype.itemsize + index_tensors
 
 
-def solve_num_blocks(per_block: int, overhead: int, memory_percent: float, device: torch.device) -> int:
-    """Largest block count whose cache plus one step's overhead fits under `memory_percent` of free memory."""
+def solve_num_blocks(
+    per_block: int, overhead: int, memory_percent: float, device: torch.device, most_useful: int | None = None
+) -> int:
+    """Largest block count whose cache plus one step's overhead fits under `memory_percent` of free memory,
+    capped at `most_useful` (what every request of a full batch at the model's whole context would hold: more
+    could never be used, and each block costs some bookkeeping)."""
     budget = int(available_memory(device) * memory_percent) - overhead
     n = budget // per_block - 2  # two blocks are reserved for padding
+    if most_useful is not None and n > most_useful:
+        return most_useful
     if n < 1:
         raise RuntimeError(
             f"not enough free memory for a KV cache: {budget / 2**20:.0f} MiB left after a step's overhead; "

@@ -81,7 +81,10 @@ class Engine:
                 getattr(mc, "intermediate_size", 4 * mc.hidden_size), mc.vocab_size, heads, dtype,
             )
             per_block = bytes_per_block(layers, cfg.block_size, kv_heads, head_dim, dtype)
-            num_blocks = solve_num_blocks(per_block, overhead, cfg.max_memory_percent, device)
+            most_useful = None
+            if self.max_context != math.inf:
+                most_useful = cfg.max_requests_per_batch * -(-int(self.max_context) // cfg.block_size)
+            num_blocks = solve_num_blocks(per_block, overhead, cfg.max_memory_percent, device, most_useful)
         eviction = registry(self.plugins, "eviction policy").create(cfg.eviction, cfg)
         return CacheManager(layers, kv_heads, head_dim, cfg.block_size, num_blocks, dtype, device,
                             prefix_caching=cfg.allow_block_sharing and not _has_sliding_layers(mc), eviction=eviction)

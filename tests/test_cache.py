@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from jitney.cache import BlockPool, CacheManager, LayerGroup
@@ -47,3 +48,18 @@ def test_padding_blocks_read_as_zeros():
     pad = cache.padding_slot
     assert torch.count_nonzero(cache.keys[0][pad:]) == 0
     assert cache.keys[0].shape[0] == (8 + 2) * 4
+
+
+def test_block_count_is_solved_from_available_memory(llama, monkeypatch):
+    from jitney import Engine, EngineConfig
+    from jitney.cache import sizing
+
+    monkeypatch.setattr(sizing, "available_memory", lambda device: 64 * 2**20)
+    engine = Engine(llama, config=EngineConfig(block_size=16, max_memory_percent=0.5))
+    per_block = sizing.bytes_per_block(2, 16, 2, 16, torch.float32)
+    overhead = sizing.step_overhead_bytes(256, 64, 64, 128, 256, 4, torch.float32)
+    assert engine.cache.num_blocks == min((32 * 2**20 - overhead) // per_block - 2, 64 * 512 // 16)
+    assert engine.cache.bytes_allocated <= 32 * 2**20  # the prediction holds: the cache fits the budget
+    monkeypatch.setattr(sizing, "available_memory", lambda device: 2**20)
+    with pytest.raises(RuntimeError, match="not enough free memory"):
+        Engine(llama, config=EngineConfig(block_size=16, max_memory_percent=0.5))
