@@ -36,6 +36,7 @@ class _TorchStep:
         # Where each query token's K/V is written, per group.
         self.write_slots = [_slots(t[row_req].view(self.T, -1), step.positions.view(-1, 1), bs).view(-1) for t in tables]
         self._masks: dict[tuple[str, int | None], torch.Tensor] = {}
+        self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
         if nd:  # decode rows: [nd, Ld] context slots, reads past each context go to the padding slot
             ld = int(ctx[:nd].max())
@@ -62,6 +63,16 @@ class _TorchStep:
             self.pre_read = [torch.where(valid, _slots(t[nd:], kpos.clamp(max=t.shape[1] * bs - 1), bs), pad).view(-1) for t in tables]
             # A single chunk that starts a prompt attends only to itself: plain causal attention, no gather.
             self.fresh = np_ == 1 and int(pctx[0]) == int(pq[0])
+
+    def _gather(self, kind: str, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the context rows out of the cache into buffers made once per step and reused by every layer
+        (allocating them per layer costs more than the copy)."""
+        bufs = self._buffers.get(kind)
+        if bufs is None:
+            bufs = self._buffers[kind] = (kc.new_empty((rows.numel(), *kc.shape[1:])), vc.new_empty((rows.numel(), *vc.shape[1:])))
+        torch.index_select(kc, 0, rows, out=bufs[0])
+        torch.index_select(vc, 0, rows, out=bufs[1])
+        return bufs
 
     def _mask(self, kind: str, window: int | None) -> torch.Tensor:
         """Boolean attention mask (True = attend), built once per step per window size."""
@@ -97,8 +108,8 @@ class _TorchStep:
         if self.nd:
             nd, ld = self.nd, self.ld
             qd = q[:, :nd].transpose(0, 1).reshape(nd, kvh, heads // kvh, dim)
-            kd = kc.index_select(0, self.dec_read[g]).view(nd, ld, kvh, dim).transpose(1, 2)
-            vd = vc.index_select(0, self.dec_read[g]).view(nd, ld, kvh, dim).transpose(1, 2)
+            kd, vd = self._gather("decode", kc, vc, self.dec_read[g])
+            kd, vd = kd.view(nd, ld, kvh, dim).transpose(1, 2), vd.view(nd, ld, kvh, dim).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self._mask("decode", sliding_window), scale=scaling)
             out[:nd] = od.view(nd, heads, dim)
 
@@ -112,8 +123,8 @@ class _TorchStep:
                 out[self.nd :] = op[0].transpose(0, 1)
             else:
                 qp = q.index_select(1, self.pre_rows).view(heads, np_, qmax, dim).transpose(0, 1)
-                kp = kc.index_select(0, self.pre_read[g]).view(np_, lp, kvh, dim).transpose(1, 2)
-                vp = vc.index_select(0, self.pre_read[g]).view(np_, lp, kvh, dim).transpose(1, 2)
+                kp, vp = self._gather("prefill", kc, vc, self.pre_read[g])
+                kp, vp = kp.view(np_, lp, kvh, dim).transpose(1, 2), vp.view(np_, lp, kvh, dim).transpose(1, 2)
                 op = F.scaled_dot_product_attention(
                     qp, kp, vp, attn_mask=self._mask("prefill", sliding_window), scale=scaling, enable_gqa=heads != kvh
                 )
