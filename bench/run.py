@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--static-batch", type=int, default=16)
+    parser.add_argument("--null-executor", action="store_true",
+                        help="only time the engine without the model (scheduler, cache, step preparation, bus) at 256 requests")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this file")
 
 
@@ -171,6 +173,16 @@ def main(args) -> int:
 
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model)
+    if args.null_executor:
+        from jitney.bench.overhead import measure
+
+        report = measure(model, tokenizer)
+        for key, value in report.items():
+            print(f"{key:<18} {value}")
+        if args.json_path:
+            with open(args.json_path, "w") as f:
+                json.dump(report, f, indent=2)
+        return 0
     vocab = model.config.get_text_config().vocab_size
     # long-prompt is sized by the token budget it has to chunk across
     work = long_prompt(vocab, args.max_batch_tokens) if args.workload == "long-prompt" else WORKLOADS[args.workload](vocab)

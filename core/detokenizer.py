@@ -12,6 +12,10 @@ class Detokenizer:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        # A fast tokenizer's Rust backend decodes without transformers' per-call argument conversion.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode = (lambda ids: backend.decode(ids, skip_special_tokens=True)) if backend is not None else (
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         self.ids: list[int] = []
         self.prefix = 0  # start of the window decoded for context
         self.read = 0  # tokens whose text has already been returned
@@ -20,9 +24,8 @@ class Detokenizer:
         self.ids.append(token_id)
         if self.tokenizer is None:
             return ""
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
-        after = decode(self.ids[self.prefix :], skip_special_tokens=True)
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             return after[len(before) :]

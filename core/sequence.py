@@ -21,14 +21,17 @@ class Collector:
         self.samples: list[Sequence] = []
         self.pending: list[tuple[int, int]] = []  # (sample index, token id)
         self.ready = anyio.Event()
+        self.open = 0  # samples not ended yet
 
     @property
     def done(self) -> bool:
-        return all(s.status.done for s in self.samples)
+        return self.open == 0
 
     def put(self, index: int, token_id: int | None) -> None:
-        """Hand over a new token of sample `index` (None: just the news that a sample ended)."""
-        if token_id is not None:
+        """Hand over a new token of sample `index` (None: the news that the sample ended)."""
+        if token_id is None:
+            self.open -= 1
+        else:
             self.pending.append((index, token_id))
         self.ready.set()
 
@@ -79,6 +82,7 @@ class Sequence:
         self.error: str | None = None
         self.collector = collector or Collector()
         self.collector.samples.append(self)
+        self.collector.open += 1
         self.forks: list[Sequence] = []  # samples that fork from this one when its prompt is done
         self.t_queued = time.perf_counter()
         self.t_first_token: float | None = None

@@ -21,3 +21,12 @@ def test_bench_runs_each_mode_and_writes_json(tmp_path):
         assert row["output_tok_s"] > 0
         assert row["same_tokens_as_first"] == 1.0
     assert report["rows"][0]["prompt_tokens_computed"] <= report["rows"][1]["prompt_tokens_computed"]
+
+
+def test_null_executor_times_the_engine_alone(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "overhead.json"
+    assert cli(["bench", "--model", str(tmp_path / "tiny"), "--null-executor", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["requests"] == 256 and report["full_decode_steps"] > 100
+    assert 0 < report["step_ms_p50"] < 1000
