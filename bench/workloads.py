@@ -52,7 +52,14 @@ def sharegpt_like(vocab_size: int) -> Workload:
     return out
 
 
+def single_stream(vocab_size: int) -> Workload:
+    """One request, a 16-token prompt and 128 new tokens: per-token latency with nothing to batch."""
+    rng = random.Random(3)
+    return [([rng.randrange(100, vocab_size) for _ in range(16)], 128)]
+
+
 WORKLOADS = {
+    "single-stream": single_stream,
     "mixed-64": mixed_64, "long-prompt": long_prompt, "shared-prefix": shared_prefix, "multi-prefix": multi_prefix,
     "sharegpt-like": sharegpt_like,
 }
