@@ -101,13 +101,15 @@ class Engine:
         self.plugins.hook.jitney_engine_started(engine=self)
         return self
 
-    async def __aexit__(self, *exc_info) -> bool | None:
+    async def __aexit__(self, *exc_info) -> None:
         self._running = False
         for request_id in list(self.requests):
             self.abort(request_id)
         self._wake.set()
         try:
-            return await self._task_group.__aexit__(*exc_info)
+            # The loop ends on its own now; the body's own exception (if any) propagates unchanged rather than
+            # wrapped in the task group's exception group.
+            await self._task_group.__aexit__(None, None, None)
         finally:
             self._flush_events()
             self.model.set_attn_implementation(self._saved_attn)

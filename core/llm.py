@@ -29,11 +29,17 @@ class LLM:
     async def _run(self, requests: list[Request], progress: bool) -> list[Completion]:
         results: list[Completion | None] = [None] * len(requests)
         with tqdm(total=len(requests), disable=not progress, unit="req") as bar:
-            async with self.engine as engine, anyio.create_task_group() as tg:
+            async with self.engine as engine:
+                streams = [engine.stream(r) for r in requests]  # a bad prompt raises here, before any runs
+
                 async def one(i: int) -> None:
-                    results[i] = await engine.generate(requests[i])
+                    async with streams[i] as stream:
+                        async for _ in stream:
+                            pass
+                        results[i] = stream.completion()
                     bar.update()
 
-                for i in range(len(requests)):
-                    tg.start_soon(one, i)
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(requests)):
+                        tg.start_soon(one, i)
         return results  # type: ignore[return-value]

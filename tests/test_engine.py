@@ -221,3 +221,11 @@ async def test_a_failing_forward_fails_its_requests_not_the_engine(llama):
         engine.executor.backend = working
         done = await engine.generate(greedy([1, 2, 3], 5))
     assert done.token_ids == ref
+
+
+async def test_an_error_in_the_callers_block_propagates_as_itself(llama):
+    with pytest.raises(KeyError):
+        async with Engine(llama, config=EngineConfig(num_blocks=16)) as engine:
+            engine.stream(greedy([1, 2, 3], 50))
+            raise KeyError("the caller's own error")
+    assert not engine.requests and engine.num_free_blocks == 16

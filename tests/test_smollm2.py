@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import anyio
+import pytest
 import torch
 
 from jitney import LLM, Engine, EngineConfig, Request, SamplingParams
@@ -50,6 +51,9 @@ def test_llm_facade(smollm2):
     llm = LLM(model, EngineConfig(num_blocks=64), tokenizer=tokenizer)
     out = llm.generate(PROMPTS[:2], SamplingParams(max_new_tokens=10), progress=False)
     assert [o.token_ids for o in out] == [reference(model, tokenizer, p, 10) for p in PROMPTS[:2]]
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["fine", ""], progress=False)
+    assert llm.generate("again", SamplingParams(max_new_tokens=3), progress=False)[0].finish_reason == "length"
 
 
 def test_cli_streams_an_answer():
