@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import importlib.util
 import logging
 import math
 import time
@@ -44,7 +45,7 @@ class Engine:
         self.max_context = getattr(mc, "max_position_embeddings", None) or math.inf
         self.vocab_size = mc.vocab_size
         param = next(model.parameters())
-        backend_name = config.attention_backend or "torch"
+        backend_name = config.attention_backend or _default_attention(param.device)
         backend = registry(self.plugins, "attention backend").create(backend_name, param.device)
         self.cache = self._build_cache(mc, param.dtype, param.device)
         self.executor = StepExecutor(model, self.cache, backend)
@@ -346,6 +347,13 @@ class Engine:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+def _default_attention(device: torch.device) -> str:
+    """Triton's kernels on CUDA when Triton is installed; the torch reference elsewhere."""
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "torch"
 
 
 def _has_sliding_layers(mc) -> bool:

@@ -12,6 +12,13 @@ else:
 
     __all__ = ["AttentionBackend", "StepAttention", "StepInputs", "TorchPagedAttention"]
 
+    def _triton(device):
+        # Imported on first use: Triton reads TRITON_INTERPRET when its kernels are defined.
+        from jitney.kernels.triton_paged import TritonPagedAttention
+
+        return TritonPagedAttention()
+
     @hookimpl
     def jitney_register_attention_backends(register):
         register("torch", lambda device: TorchPagedAttention())
+        register("triton", _triton)

@@ -1,4 +1,4 @@
-"""The torch paged-attention backend against dense attention, on random ragged steps."""
+"""The attention backends against dense attention, on random ragged steps (Triton in its CPU interpreter)."""
 
 from __future__ import annotations
 
@@ -24,15 +24,25 @@ def dense(q, k, v, qpos, window):
     return torch.softmax(scores, -1) @ v  # [H, n, D]
 
 
+def triton_backend():
+    from jitney.kernels.triton_paged import TritonPagedAttention
+
+    return TritonPagedAttention()
+
+
+@pytest.mark.parametrize("backend", [TorchPagedAttention, triton_backend])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_matches_dense(block_size, heads, kv_heads, window):
-    torch.manual_seed(block_size * 100 + heads * 10 + kv_heads)
+def test_paged_attention_matches_dense(backend, block_size, heads, kv_heads, window):
+    # Fresh random inputs each run: the seed is not fixed.
     dim = 8
     cache = CacheManager(1, kv_heads, dim, block_size, 64, torch.float32, torch.device("cpu"))
-    # (cached tokens, new tokens): decodes first, then prefill chunks, some continuing a cached prefix.
-    shapes = [(5, 1), (17, 1), (0, 1), (0, 9), (6, 3), (13, 7)]
+    for store in cache.keys + cache.values:  # poison every slot no request writes
+        store[: 64 * block_size] = float("nan")
+    # (cached tokens, new tokens): decodes first, then prefill chunks, some continuing a cached prefix,
+    # one longer than a Triton query tile.
+    shapes = [(5, 1), (17, 1), (0, 1), (0, 9), (6, 3), (13, 7), (2, 21)]
     full_k = [torch.randn(kv_heads, c + n, dim) for c, n in shapes]
     full_v = [torch.randn(kv_heads, c + n, dim) for c, n in shapes]
     for i, (c, n) in enumerate(shapes):
@@ -52,7 +62,7 @@ def test_paged_attention_matches_dense(block_size, heads, kv_heads, window):
     q = torch.randn(1, heads, step.positions.numel(), dim)
     k = torch.cat([fk[:, c:] for fk, (c, _) in zip(full_k, shapes)], 1)[None]
     v = torch.cat([fv[:, c:] for fv, (c, _) in zip(full_v, shapes)], 1)[None]
-    out = TorchPagedAttention().prepare(step)(0, q, k, v, dim ** -0.5, window)
+    out = backend().prepare(step)(0, q, k, v, dim ** -0.5, window)
     assert out.shape == (1, step.positions.numel(), heads, dim)
     row = 0
     for i, (c, n) in enumerate(shapes):

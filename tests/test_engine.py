@@ -229,3 +229,14 @@ async def test_an_error_in_the_callers_block_propagates_as_itself(llama):
             engine.stream(greedy([1, 2, 3], 50))
             raise KeyError("the caller's own error")
     assert not engine.requests and engine.num_free_blocks == 16
+
+
+@pytest.mark.parametrize("make_model", [lambda: None, lambda: tiny_mistral(window=8)], ids=["llama", "mistral-window"])
+async def test_triton_backend_gives_generates_tokens(llama, make_model):
+    model = make_model() or llama
+    work = random_requests(5, model.config.vocab_size, max_prompt=30, max_new=12, seed=8)
+    refs = [reference(model, p, n) for p, n in work]
+    config = EngineConfig(attention_backend="triton", block_size=16, max_batch_tokens=24, num_blocks=64)
+    async with Engine(model, config=config) as engine:
+        done = await run_all(engine, [greedy(p, n) for p, n in work])
+    assert [d.token_ids for d in done] == refs
