@@ -13,10 +13,15 @@ from jitney.core.sequence import Sequence
 
 @dataclass(frozen=True)
 class LayerGroup:
-    """Layers that share block ids: a request holds one block table per group."""
+    """Layers that share block ids: a request holds one block table per group.
+
+    In a sliding-window group (`window` set) blocks that slid entirely out of the window are given back as
+    the request advances; their table entries become the pool's padding block, a sentinel no read reaches
+    unmasked."""
 
     name: str
     layers: tuple[int, ...]
+    window: int | None = None
 
 
 class CacheManager:
@@ -43,7 +48,7 @@ class CacheManager:
         for g, group in enumerate(self.groups):
             for layer in group.layers:
                 self.group_of_layer[layer] = g
-        self.prefix_caching = prefix_caching and len(self.groups) == 1
+        self.prefix_caching = prefix_caching and len(self.groups) == 1 and self.groups[0].window is None
         self.pools = [BlockPool(num_blocks, eviction) for _ in self.groups]
         slots = (num_blocks + 2) * block_size
         # torch.empty: pages are committed only as blocks are first written. Reads never go past a
@@ -65,12 +70,16 @@ class CacheManager:
         return min(pool.num_free for pool in self.pools)
 
     def blocks_held(self, request_id: str) -> int:
+        """Blocks a request holds (in its largest group: what preempting it frees where it matters most)."""
         tables = self._tables.get(request_id)
-        return len(tables[0]) if tables else 0
+        if not tables:
+            return 0
+        return max(sum(b != pool.padding_block for b in table) for pool, table in zip(self.pools, tables))
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """New blocks a request needs so that `num_tokens` tokens in all fit in its cache."""
-        return max(0, -(-num_tokens // self.block_size) - self.blocks_held(request_id))
+        tables = self._tables.get(request_id)
+        return max(0, -(-num_tokens // self.block_size) - (len(tables[0]) if tables else 0))
 
     def reserve(self, request_id: str, num_tokens: int) -> bool:
         """Grow a request's tables to hold `num_tokens` tokens in every group, or change nothing and say no."""
@@ -122,6 +131,20 @@ class CacheManager:
             hashes.append(prev)
             pool.register(table[i], prev)
 
+    def slide(self, request_id: str, num_computed: int) -> None:
+        """Give back the blocks of sliding-window groups that no later query can see: every position up to
+        ``num_computed - window`` is out of reach of the tokens still to come."""
+        tables = self._tables.get(request_id)
+        if tables is None:
+            return
+        for group, pool, table in zip(self.groups, self.pools, tables):
+            if group.window is None:
+                continue
+            for i in range(max(0, (num_computed - group.window + 1) // self.block_size)):
+                if table[i] != pool.padding_block:
+                    pool.free([table[i]])
+                    table[i] = pool.padding_block
+
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> bool:
         """Give `child_id` the parent's cache for its first `num_tokens` tokens: full blocks are shared, the
         partial last block is copied (each sample writes its own tokens there). False if no block is free."""
@@ -131,7 +154,8 @@ class CacheManager:
         tables = []
         for g, (pool, table) in enumerate(zip(self.pools, self._tables[parent_id])):
             for block in table[:full]:
-                pool.share(block)
+                if block != pool.padding_block:
+                    pool.share(block)
             mine = table[:full]
             if partial:
                 (copy,) = pool.allocate(1)
@@ -158,7 +182,7 @@ class CacheManager:
         self._hashes.pop(request_id, None)
         if tables is not None:
             for pool, table in zip(self.pools, tables):
-                pool.free(table)
+                pool.free([b for b in table if b != pool.padding_block])
 
     def block_table(self, request_id: str, group: int) -> list[int]:
         return self._tables[request_id][group]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from jitney.cache.manager import CacheManager
+from jitney.cache.manager import CacheManager, LayerGroup
 from jitney.cache.sizing import bytes_per_block, solve_num_blocks, step_overhead_bytes
 from jitney.core import events as ev
 from jitney.core.config import EngineConfig
@@ -87,8 +87,8 @@ class Engine:
                 most_useful = cfg.max_requests_per_batch * -(-int(self.max_context) // cfg.block_size)
             num_blocks = solve_num_blocks(per_block, overhead, cfg.max_memory_percent, device, most_useful)
         eviction = registry(self.plugins, "eviction policy").create(cfg.eviction, cfg)
-        return CacheManager(layers, kv_heads, head_dim, cfg.block_size, num_blocks, dtype, device,
-                            prefix_caching=cfg.allow_block_sharing and not _has_sliding_layers(mc), eviction=eviction)
+        return CacheManager(layers, kv_heads, head_dim, cfg.block_size, num_blocks, dtype, device, groups=_layer_groups(mc),
+                            prefix_caching=cfg.allow_block_sharing, eviction=eviction)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -256,6 +256,7 @@ class Engine:
                 continue
             seq.num_computed += n
             self.cache.commit(seq)
+            self.cache.slide(seq.request_id, seq.num_computed)
             if drawn is None:
                 self.events.append(ev.PrefillChunk(t=now, request_id=seq.request_id, tokens=n, computed=seq.num_computed))
                 continue
@@ -356,11 +357,24 @@ def _default_attention(device: torch.device) -> str:
     return "torch"
 
 
-def _has_sliding_layers(mc) -> bool:
-    layer_types = getattr(mc, "layer_types", None)
-    if layer_types:
-        return any("sliding" in t for t in layer_types)
-    return getattr(mc, "sliding_window", None) is not None and getattr(mc, "use_sliding_window", True)
+def _layer_groups(mc) -> list[LayerGroup]:
+    """Full-attention layers in one group, sliding-window layers in another (per `layer_types`, else the
+    config's `sliding_window` for every layer)."""
+    layers = mc.num_hidden_layers
+    window = getattr(mc, "sliding_window", None)
+    types = getattr(mc, "layer_types", None)
+    if not types:
+        sliding = window is not None and getattr(mc, "use_sliding_window", True)
+        types = ["sliding_attention" if sliding else "full_attention"] * layers
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise NotImplementedError(f"jitney does not support {', '.join(sorted(unknown))} layers yet")
+    groups = []
+    for kind, name, w in (("full_attention", "full", None), ("sliding_attention", "sliding", window)):
+        members = tuple(i for i, t in enumerate(types) if t == kind)
+        if members:
+            groups.append(LayerGroup(name, members, w))
+    return groups
 
 
 def _stop_ids(model, tokenizer) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ class Preempter:
         self.offloaded: list[Sequence] = []  # arrival order
         self._stored: dict[str, int] = {}  # request id -> blocks held in the backend
         self.total = 0  # preemptions since the engine started
+        self._sliding = any(g.window is not None for g in engine.cache.groups)
 
     def relieve(self, demand: int, keep: set[str]) -> bool:
         """Preempt the newest active requests outside `keep` until `demand` blocks are freed (or only one
@@ -49,7 +50,8 @@ class Preempter:
 
     def preempt(self, victims: list[Sequence]) -> None:
         cache = self.engine.cache
-        room = self.backend.free_blocks() if self.backend is not None else 0
+        # Sliding-window tables hold sentinels for blocks already given back; those requests soft reset.
+        room = self.backend.free_blocks() if self.backend is not None and not self._sliding else 0
         store = {}
         for seq in victims:
             held = cache.blocks_held(seq.request_id)

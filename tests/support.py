@@ -37,3 +37,17 @@ def reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 def random_requests(n: int, vocab: int, max_prompt: int = 60, max_new: int = 24, seed: int = 0):
     rng = random.Random(seed)
     return [([rng.randrange(3, vocab) for _ in range(rng.randint(1, max_prompt))], rng.randint(1, max_new)) for _ in range(n)]
+
+
+def tiny_gemma2(seed: int = 0, window: int = 8):
+    """Alternating sliding-window and full-attention layers (soft-capping off)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Gemma2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=window,
+        attn_logit_softcapping=None, final_logit_softcapping=None, query_pre_attn_scalar=16,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    return Gemma2ForCausalLM(config).eval()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from support import random_requests, reference, tiny_mistral
+from support import random_requests, reference, tiny_gemma2, tiny_mistral
 
 from jitney import Engine, EngineConfig, Request, RequestError, SamplingParams
 from jitney.core import events as ev
@@ -239,4 +239,31 @@ async def test_triton_backend_gives_generates_tokens(llama, make_model):
     config = EngineConfig(attention_backend="triton", block_size=16, max_batch_tokens=24, num_blocks=64)
     async with Engine(model, config=config) as engine:
         done = await run_all(engine, [greedy(p, n) for p, n in work])
+    assert [d.token_ids for d in done] == refs
+
+
+@pytest.mark.parametrize("make_model", [lambda: tiny_mistral(window=8), lambda: tiny_gemma2(window=8)],
+                         ids=["all-sliding", "alternating"])
+async def test_sliding_groups_give_back_blocks_and_keep_tokens(make_model):
+    model = make_model()
+    work = random_requests(6, model.config.vocab_size, max_prompt=40, max_new=30, seed=6)
+    refs = [reference(model, p, n) for p, n in work]
+    config = EngineConfig(block_size=4, num_blocks=200, max_batch_tokens=16)
+    async with Engine(model, config=config) as engine:
+        groups = {g.name: g for g in engine.cache.groups}
+        assert groups["sliding"].window == 8 and not engine.cache.prefix_caching
+        stream = engine.stream(greedy(list(range(10, 50)), 30))
+        async with stream:
+            async for tok in stream:
+                seq = stream.collector.samples[0]
+                if seq.num_computed > 24 and engine.cache.holds(seq.request_id):
+                    for g, group in enumerate(engine.cache.groups):
+                        table = engine.cache.block_table(seq.request_id, g)
+                        live = [b for b in table if b != engine.cache.pools[g].padding_block]
+                        if group.window is None:
+                            assert len(live) == len(table)  # full attention keeps everything
+                        else:
+                            assert len(live) <= 8 // 4 + 2  # the window plus the block being filled
+        done = await run_all(engine, [greedy(p, n) for p, n in work])
+        assert engine.num_free_blocks == 200
     assert [d.token_ids for d in done] == refs

@@ -6,7 +6,7 @@ import random
 
 import anyio
 import pytest
-from support import random_requests, reference
+from support import random_requests, reference, tiny_gemma2
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
 from jitney.core import events as ev
@@ -156,3 +156,14 @@ async def test_randomized_requests_and_cancellations_lose_nothing_and_leak_nothi
     assert rec.kinds.get("RequestOffloaded") and rec.kinds.get("RequestSoftReset")
     for prompt, tokens in checked:
         assert tokens == reference(llama, prompt, len(tokens))
+
+
+async def test_sliding_window_models_soft_reset_under_pressure():
+    model = tiny_gemma2(window=8)
+    refs = [reference(model, p, n) for p, n in WORK]
+    rec = Recorder()
+    async with Engine(model, config=EngineConfig(cpu_offload_space=0.01, **TIGHT), plugins=[rec]) as engine:
+        done = await run_all(engine, [greedy(p, n) for p, n in WORK])
+        assert engine.num_free_blocks == 24
+    assert [d.token_ids for d in done] == refs
+    assert rec.kinds.get("RequestSoftReset") and not rec.kinds.get("RequestOffloaded")
