@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=None, help="jitney's cache size (default: the whole workload fits)")
     parser.add_argument("--cache-share", type=float, default=None,
                         help="jitney's cache as a share of what the workload needs at once (e.g. 0.25)")
+    parser.add_argument("--attention", default=None, help="jitney's attention backend (default: by device)")
     parser.add_argument("--safety-margin", type=float, default=None, help="jitney's safety margin (default: the scheduler's)")
     parser.add_argument("--cpu-offload-space", type=float, default=0.0, help="GiB of swap pool for jitney (0: soft reset only)")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
@@ -83,7 +84,8 @@ class StepStats:
                 self.preemptions += e.preemptions
 
 
-def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sharing: bool = True):
+def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sharing: bool = True,
+               attention: str | None = None):
     from jitney import Engine, EngineConfig, Request, SamplingParams
 
     need = sum(-(-(len(p) + n) // args.block_size) for p, n in work)
@@ -91,7 +93,7 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
     config = EngineConfig(max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
                           num_blocks=num_blocks, max_requests_per_batch=max(64, len(work)),
                           eviction=eviction, allow_block_sharing=sharing, cpu_offload_space=args.cpu_offload_space,
-                          safety_margin=args.safety_margin)
+                          safety_margin=args.safety_margin, attention_backend=attention or args.attention)
     stats = StepStats()
     engine = Engine(model, tokenizer, config, plugins=[stats])
     out: list[list[int]] = [[] for _ in work]
