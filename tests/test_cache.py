@@ -63,3 +63,24 @@ def test_block_count_is_solved_from_available_memory(llama, monkeypatch):
     monkeypatch.setattr(sizing, "available_memory", lambda device: 2**20)
     with pytest.raises(RuntimeError, match="not enough free memory"):
         Engine(llama, config=EngineConfig(block_size=16, max_memory_percent=0.5))
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_the_solved_cache_takes_the_memory_it_predicts(monkeypatch):
+    from jitney.cache import sizing
+
+    monkeypatch.setattr(sizing, "available_memory", lambda device: 512 * 2**20)
+    per_block = sizing.bytes_per_block(4, 16, 4, 64, torch.float32)
+    num_blocks = sizing.solve_num_blocks(per_block, 0, 0.25, torch.device("cpu"))
+    before = _rss()
+    cache = CacheManager(4, 4, 64, 16, num_blocks, torch.float32, torch.device("cpu"))
+    for store in cache.keys + cache.values:  # every block written once, as a full cache would be
+        store.fill_(1.0)
+    grown = _rss() - before
+    predicted = (num_blocks + 2) * per_block
+    assert cache.bytes_allocated == predicted <= 128 * 2**20
+    assert 0.9 * predicted <= grown <= 1.1 * predicted
