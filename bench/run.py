@@ -71,6 +71,7 @@ class StepStats:
     def __init__(self):
         self.query = self.hit = self.prefill = self.forward_s = self.steps = self.preemptions = 0
         self.gaps: list[float] = []  # seconds between consecutive tokens of a request, as its consumer saw them
+        self.slots_allocated = self.slots_used = 0  # summed over steps: KV slots held vs tokens they hold
 
     @hookimpl
     def jitney_on_events(self, events, engine):
@@ -82,6 +83,9 @@ class StepStats:
                 self.forward_s += e.forward_s
                 self.steps += 1
                 self.preemptions += e.preemptions
+                cache = engine.cache
+                self.slots_allocated += sum(cache.blocks_held(s.request_id) for s in engine.active) * cache.block_size
+                self.slots_used += sum(s.num_computed for s in engine.active)
 
 
 def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sharing: bool = True,
@@ -210,7 +214,8 @@ def main(args) -> int:
             row |= {"prefix_hit_rate": round(stats.hit / max(1, stats.query), 3), "prompt_tokens_computed": stats.prefill,
                     "steps": stats.steps, "forward_share": round(stats.forward_s / wall, 3),
                     "preemptions": stats.preemptions, "itl_p50_ms": round(1000 * gaps[len(gaps) // 2], 1),
-                    "itl_p99_ms": round(1000 * gaps[int(len(gaps) * 0.99)], 1), "itl_max_ms": round(1000 * gaps[-1], 1)}
+                    "itl_p99_ms": round(1000 * gaps[int(len(gaps) * 0.99)], 1), "itl_max_ms": round(1000 * gaps[-1], 1),
+                    "kv_unused_share": round(1 - stats.slots_used / max(1, stats.slots_allocated), 4)}
         rows.append(row)
         print(f"  {label}: {wall:.1f} s", flush=True)
     base = outputs[rows[0]["mode"]]

@@ -21,6 +21,7 @@ def test_bench_runs_each_mode_and_writes_json(tmp_path):
         assert row["output_tok_s"] > 0
         assert row["same_tokens_as_first"] == 1.0
     assert report["rows"][0]["prompt_tokens_computed"] <= report["rows"][1]["prompt_tokens_computed"]
+    assert 0 <= report["rows"][0]["kv_unused_share"] < 0.5
 
 
 def test_null_executor_times_the_engine_alone(tmp_path):
