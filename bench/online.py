@@ -12,6 +12,7 @@ import time
 import anyio
 import httpx
 
+from jitney.bench.run import print_report
 from jitney.bench.workloads import sharegpt_like
 
 
@@ -103,10 +104,4 @@ def main(args) -> int:
     finally:
         if server is not None:
             server.should_exit = True
-    width = max(map(len, report))
-    for key, value in report.items():
-        print(f"{key:<{width}}  {value}")
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0
+    return print_report(report, args.json_path)

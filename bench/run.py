@@ -174,6 +174,17 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
+def print_report(report: dict, json_path: str | None) -> int:
+    """Print a flat report one `key value` line each, and write it as JSON when asked."""
+    width = max(map(len, report))
+    for key, value in report.items():
+        print(f"{key:<{width}}  {value}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
 def main(args) -> int:
     from jitney.core.models import load_model
 
@@ -182,13 +193,7 @@ def main(args) -> int:
     if args.null_executor:
         from jitney.bench.overhead import measure
 
-        report = measure(model, tokenizer)
-        for key, value in report.items():
-            print(f"{key:<18} {value}")
-        if args.json_path:
-            with open(args.json_path, "w") as f:
-                json.dump(report, f, indent=2)
-        return 0
+        return print_report(measure(model, tokenizer), args.json_path)
     vocab = model.config.get_text_config().vocab_size
     # long-prompt is sized by the token budget it has to chunk across
     work = long_prompt(vocab, args.max_batch_tokens) if args.workload == "long-prompt" else WORKLOADS[args.workload](vocab)

@@ -160,3 +160,12 @@ def test_overload_answers_429_at_once(server):
     r = TestClient(app).post("/v1/completions", json={"model": "smollm2", "prompt": "hi"})
     assert r.status_code == 429
     assert r.json()["error"]["type"] == "rate_limit_exceeded"
+
+
+def test_online_load_generator_reports_latency_percentiles(server):
+    from jitney.bench.online import load
+
+    report = anyio.run(load, server[0], "smollm2", 20.0, 4, 0, KEY)
+    assert report["requests"] == 4 and report["output_chunks_per_s"] > 0
+    assert 0 < report["ttft_p50_ms"] <= report["ttft_p99_ms"]
+    assert 0 < report["itl_p50_ms"] <= report["itl_p99_ms"]
