@@ -52,6 +52,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Name of the offload backend for requests swapped out under memory pressure."""
     attention_backend: str | None = None
     """Name of a registered attention backend; `None` chooses by device."""
+    pack_cpu_weights: bool | None = None
+    """On CPU, run fp32 linear layers through oneDNN with prepacked weights (faster; keeps a packed copy of the
+    weights while the engine runs). `None`: on where available."""
 
     def __post_init__(self) -> None:
         # msgspec checks constraints only when converting; building the Struct directly does not, so check

@@ -24,6 +24,7 @@ from jitney.core.models import load_model
 from jitney.core.preemption import Preempter
 from jitney.core.request import Completion, Request, RequestError, RequestStatus, Sample, Token, cut_at_stop
 from jitney.core.sequence import Collector, Sequence
+from jitney.kernels import cpu_linear
 from jitney.kernels.base import ATTN_NAME
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class Engine:
         self._running = False
         self._task_group = None
         self._saved_attn = None
+        self._packed = None
 
     @classmethod
     def from_pretrained(cls, model, config: EngineConfig | None = None, tokenizer=None, plugins: Iterable[object] = ()):
@@ -95,6 +97,10 @@ class Engine:
     async def __aenter__(self) -> "Engine":
         self._saved_attn = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_NAME)
+        pack = self.config.pack_cpu_weights
+        if pack is None:
+            pack = next(self.model.parameters()).device.type == "cpu" and cpu_linear.available()
+        self._packed = cpu_linear.PackedLinears(self.model).__enter__() if pack else None
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._running = True
@@ -114,6 +120,8 @@ class Engine:
         finally:
             self._flush_events()
             self.model.set_attn_implementation(self._saved_attn)
+            if self._packed is not None:
+                self._packed.__exit__(None, None, None)
             self.plugins.hook.jitney_engine_stopped(engine=self)
 
     # -- the public API --------------------------------------------------------------------------------------

@@ -267,3 +267,17 @@ async def test_sliding_groups_give_back_blocks_and_keep_tokens(make_model):
         done = await run_all(engine, [greedy(p, n) for p, n in work])
         assert engine.num_free_blocks == 200
     assert [d.token_ids for d in done] == refs
+
+
+async def test_packed_cpu_weights_are_used_while_running_and_removed_after(llama):
+    from jitney.kernels import cpu_linear
+
+    if not cpu_linear.available():
+        pytest.fail("oneDNN linear is not available in this torch build")
+    ref = reference(llama, [4, 5, 6], 8)
+    proj = llama.model.layers[0].self_attn.q_proj
+    async with Engine(llama, config=EngineConfig(num_blocks=32, pack_cpu_weights=True)) as engine:
+        assert "forward" in vars(proj)  # the packed forward is in place
+        done = await engine.generate(greedy([4, 5, 6], 8))
+    assert "forward" not in vars(proj)
+    assert done.token_ids == ref

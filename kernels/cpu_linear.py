@@ -1,0 +1,49 @@
+"""Faster fp32 linear layers on CPU: oneDNN's prepacked-weight matmul in place of each `nn.Linear.forward`.
+
+Measured on this project's 2-core machine over SmolLM2's projection shapes: 30% faster at one row (decode at
+batch 1), 11% at 64 rows, 24% at 256 rows, against `F.linear`. It keeps a packed copy of each weight while an
+engine runs (SmolLM2: +0.5 GB), and differs from `F.linear` by float rounding only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedLinears:
+    """While entered, every fp32 CPU `nn.Linear` of `model` computes through a prepacked weight."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.patched: list[nn.Linear] = []
+
+    def __enter__(self) -> "PackedLinears":
+        for module in self.model.modules():
+            w = module.weight if isinstance(module, nn.Linear) else None
+            if w is None or w.dtype != torch.float32 or w.device.type != "cpu":
+                continue
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+            module.forward = _packed_forward(packed, module.bias, module.out_features)
+            self.patched.append(module)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for module in self.patched:
+            del module.forward  # back to nn.Linear.forward
+        self.patched = []
+
+
+def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+        return y.view(*x.shape[:-1], out_features)
+
+    return forward
