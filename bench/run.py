@@ -102,8 +102,13 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
     engine = Engine(model, tokenizer, config, plugins=[stats])
     out: list[list[int]] = [[] for _ in work]
 
+    serving = 0.0
+
     async def main() -> None:
+        nonlocal serving
         async with engine:
+            t0 = time.perf_counter()  # after start-up (weight packing), like the other modes
+
             async def one(i: int) -> None:
                 prompt, n = work[i]
                 last = time.perf_counter()
@@ -117,28 +122,32 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
             async with anyio.create_task_group() as tg:
                 for i in range(len(work)):
                     tg.start_soon(one, i)
+            serving = time.perf_counter() - t0
 
     anyio.run(main)
-    return out, stats
+    return out, stats, serving
 
 
-def run_hf_cb(model, tokenizer, work: Workload, args) -> list[list[int]]:
+def run_hf_cb(model, tokenizer, work: Workload, args):
     from transformers import GenerationConfig
 
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in work), eos_token_id=None, pad_token_id=0)
     model.set_attn_implementation("sdpa")
     out = {}
     with model.continuous_batching_context_manager(generation_config=gen, block=True) as manager:
+        t0 = time.perf_counter()  # after the manager's start-up
         ids = [manager.add_request(prompt, f"r{i}", max_new_tokens=n) for i, (prompt, n) in enumerate(work)]
         while len(out) < len(ids):
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
                 out[result.request_id] = list(result.generated_tokens)
-    return [out[f"r{i}"] for i in range(len(work))]
+        serving = time.perf_counter() - t0
+    return [out[f"r{i}"] for i in range(len(work))], None, serving
 
 
-def run_hf_static(model, tokenizer, work: Workload, args) -> list[list[int]]:
+def run_hf_static(model, tokenizer, work: Workload, args):
     model.set_attn_implementation("sdpa")
+    t0 = time.perf_counter()
     out = []
     for start in range(0, len(work), args.static_batch):
         chunk = work[start : start + args.static_batch]
@@ -149,7 +158,7 @@ def run_hf_static(model, tokenizer, work: Workload, args) -> list[list[int]]:
         with torch.inference_mode():
             gen = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         out += [gen[i, width : width + k].tolist() for i, (_, k) in enumerate(chunk)]
-    return out
+    return out, None, time.perf_counter() - t0
 
 
 def runs(args) -> list[tuple[str, Callable]]:
@@ -206,13 +215,13 @@ def main(args) -> int:
     rows, outputs = [], {}
     for label, runner in runs(args):
         t = time.perf_counter()
-        result = runner(model, tokenizer, work, args)
-        wall = time.perf_counter() - t
-        outputs[label], stats = result if isinstance(result, tuple) else (result, None)
+        outputs[label], stats, wall = runner(model, tokenizer, work, args)  # wall: first request to last token
+        startup = time.perf_counter() - t - wall
         row = {
             "mode": label, "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1),
             "roofline_share": round(gflop / peak / wall, 3),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+            "startup_s": round(startup, 2),
         }
         if stats is not None:
             gaps = sorted(stats.gaps) or [0.0]
@@ -222,7 +231,7 @@ def main(args) -> int:
                     "itl_p99_ms": round(1000 * gaps[int(len(gaps) * 0.99)], 1), "itl_max_ms": round(1000 * gaps[-1], 1),
                     "kv_unused_share": round(1 - stats.slots_used / max(1, stats.slots_allocated), 4)}
         rows.append(row)
-        print(f"  {label}: {wall:.1f} s", flush=True)
+        print(f"  {label}: {wall:.1f} s (+{startup:.1f} s start-up)", flush=True)
     base = outputs[rows[0]["mode"]]
     print(f"\n{'mode':<14} {'wall s':>7} {'out tok/s':>9} {'vs first':>8} {'roofline':>8} {'hit rate':>8} "
           f"{'prompt computed':>15} {'ITL p99 ms':>10} {'preempted':>9} {'same tokens':>11} {'peak RSS MiB':>12}")
