@@ -50,10 +50,6 @@ class BlockPool:
         """Blocks that can be allocated: free plus cached."""
         return len(self._free) + len(self._cached)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._cached)
-
     def _tick(self) -> int:
         self.clock += 1
         return self.clock
