@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -33,6 +34,14 @@ class StepInputs:
     keys: list[torch.Tensor]
     """Per layer, the cache's key storage [slots, kv_heads, head_dim]."""
     values: list[torch.Tensor]
+
+    @cached_property
+    def write_slots(self) -> list[torch.Tensor]:
+        """Per layer group, [T] the cache slot each query token's key and value go to."""
+        qlens = torch.tensor(self.query_lens, device=self.positions.device)
+        rows = torch.repeat_interleave(torch.arange(len(self.query_lens), device=qlens.device), qlens)
+        blocks = torch.div(self.positions, self.block_size, rounding_mode="floor")
+        return [t[rows, blocks] * self.block_size + self.positions % self.block_size for t in self.block_tables]
 
 
 class StepAttention(Protocol):

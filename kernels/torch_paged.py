@@ -31,10 +31,8 @@ class _TorchStep:
         ctx = torch.tensor(step.context_lens)
         nd = self.nd = step.num_decodes
         self.T = int(qlens.sum())
-        row_req = torch.repeat_interleave(torch.arange(len(qlens)), qlens)
         tables = step.block_tables
-        # Where each query token's K/V is written, per group.
-        self.write_slots = [_slots(t[row_req].view(self.T, -1), step.positions.view(-1, 1), bs).view(-1) for t in tables]
+        self.write_slots = step.write_slots
         self._masks: dict[tuple[str, int | None], torch.Tensor] = {}
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 

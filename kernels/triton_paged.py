@@ -112,21 +112,12 @@ class _TritonStep:
         self.keys, self.values, self.group_of_layer = step.keys, step.values, step.group_of_layer
         self.block_size = step.block_size
         device = step.positions.device
-        self.T = int(step.positions.numel())
         self.nd = step.num_decodes
-        bs = step.block_size
         starts = [0]
         for q in step.query_lens:
             starts.append(starts[-1] + q)
         self.tables = [t.to(torch.int32).contiguous() for t in step.block_tables]
-        # Where each token's K/V is written: its block (from its request's table) and offset.
-        slots = []
-        for g, table in enumerate(step.block_tables):
-            rows = torch.repeat_interleave(torch.arange(len(step.query_lens), device=device),
-                                           torch.tensor(step.query_lens, device=device))
-            blocks = table[rows, torch.div(step.positions, bs, rounding_mode="floor")]
-            slots.append(blocks * bs + step.positions % bs)
-        self.write_slots = slots
+        self.write_slots = step.write_slots
         self.decode_ctx = torch.tensor(step.context_lens[: self.nd], dtype=torch.int32, device=device)
         tiles = []  # (request, first row, rows, position of the first row)
         for r in range(self.nd, len(step.query_lens)):

@@ -232,7 +232,7 @@ async def test_an_error_in_the_callers_block_propagates_as_itself(llama):
 
 
 @pytest.mark.parametrize("make_model", [lambda: None, lambda: tiny_mistral(window=8)], ids=["llama", "mistral-window"])
-async def test_triton_backend_gives_generates_tokens(llama, make_model):
+async def test_triton_backend_matches_generate(llama, make_model):
     model = make_model() or llama
     work = random_requests(5, model.config.vocab_size, max_prompt=30, max_new=12, seed=8)
     refs = [reference(model, p, n) for p, n in work]

@@ -9,7 +9,6 @@ import pytest
 from support import random_requests, reference, tiny_gemma2
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
-from jitney.core import events as ev
 from jitney.core.hooks import hookimpl
 from jitney.core.request import RequestStatus
 from jitney.core.sequence import Sequence

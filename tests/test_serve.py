@@ -141,7 +141,9 @@ def test_bad_input_gets_an_openai_style_4xx_and_the_server_keeps_serving(server,
 def test_metrics_move(server, client):
     def value(name):
         text = httpx.get(server[0] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{"))
+        samples = [float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{"))]
+        assert samples, f"{name} is not exported"
+        return sum(samples)
 
     before = value("jitney_generation_tokens_total"), value("jitney_time_to_first_token_seconds_count")
     client.completions.create(model="smollm2", prompt="Hello", max_tokens=5, temperature=0)
