@@ -4,11 +4,11 @@
 
 1. The Triton backend against the torch reference on random paged steps (decode and prefill, block sizes
    16/32, GQA ratios 1/3/4, windows), outputs compared elementwise.
-2. Greedy tokens of jitney (Triton backend) equal to `model.generate` for a few prompts.
-3. mixed-64 (or a quick 16-request slice): jitney with each attention backend against transformers'
-   continuous batching, same requests, one table.
+2. Greedy tokens of jitney equal to `model.generate` for a few prompts, in each execution mode: eager,
+   CUDA graphs, CUDA graphs with async batching (Triton backend), and graphs with the torch backend.
+3. mixed-64 (or a quick 16-request slice): jitney in those modes against transformers' continuous
+   batching, same requests, one table.
 
-CUDA graphs and async batching are not built yet; when they are, they join steps 2 and 3.
 `TRITON_INTERPRET=1 python -m jitney.bench.gpu_check --device cpu` runs steps 1 and 2 in Triton's interpreter,
 to check the script itself.
 """
@@ -64,6 +64,17 @@ def check_kernels(device: str) -> list[str]:
     return failures
 
 
+def engine_modes(device: str) -> dict[str, dict]:
+    """jitney's execution modes on this device, as EngineConfig fields (off CUDA: padded steps stand in for graphs)."""
+    graphs = {"use_cuda_graph": True} if device == "cuda" else {"q_padding_interval_size": 8, "kv_padding_interval_size": 64}
+    return {
+        "triton eager": {"attention_backend": "triton", "use_cuda_graph": False, "use_async_batching": False},
+        "triton graphs": {"attention_backend": "triton", "use_async_batching": False, **graphs},
+        "triton graphs+async": {"attention_backend": "triton", "use_async_batching": True, **graphs},
+        "torch graphs+async": {"attention_backend": "torch", "use_async_batching": True, **graphs},
+    }
+
+
 def check_greedy(model, tokenizer, device: str) -> list[str]:
     import anyio
     import torch
@@ -77,15 +88,27 @@ def check_greedy(model, tokenizer, device: str) -> list[str]:
         with torch.inference_mode():
             refs.append(model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist())
 
-    async def run():
-        config = EngineConfig(attention_backend="triton", max_batch_tokens=64, num_blocks=256)
-        async with Engine(model, tokenizer, config) as engine:
-            return [(await engine.generate(Request(p, SamplingParams(max_new_tokens=24)))).token_ids for p in prompts]
+    failures = []
+    for label, fields in engine_modes(device).items():
+        async def run():
+            config = EngineConfig(max_batch_tokens=64, num_blocks=256, **fields)
+            async with Engine(model, tokenizer, config) as engine:
+                outs = [None] * len(prompts)
 
-    outs = anyio.run(run)
-    bad = [p for p, o, r in zip(prompts, outs, refs) if o != r]
-    print(f"  greedy   triton backend: {len(prompts) - len(bad)}/{len(prompts)} prompts identical to generate")
-    return [f"greedy tokens differ for {p!r}" for p in bad]
+                async def one(i):
+                    outs[i] = (await engine.generate(Request(prompts[i], SamplingParams(max_new_tokens=24)))).token_ids
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(prompts)):
+                        tg.start_soon(one, i)
+                return outs, engine.executor.static
+
+        outs, static = anyio.run(run)
+        bad = [p for p, o, r in zip(prompts, outs, refs) if o != r]
+        graphs = f", {static.captures} shapes built, {static.replays} replays" if static is not None else ""
+        print(f"  greedy   {label:<20} {len(prompts) - len(bad)}/{len(prompts)} prompts identical to generate{graphs}")
+        failures += [f"greedy tokens differ ({label}) for {p!r}" for p in bad]
+    return failures
 
 
 def time_modes(model, tokenizer, quick: bool) -> None:
@@ -96,15 +119,15 @@ def time_modes(model, tokenizer, quick: bool) -> None:
     out_tokens = sum(n for _, n in work)
     args = argparse.Namespace(max_batch_tokens=512, block_size=32, num_blocks=None, cache_share=None,
                               cpu_offload_space=0.0, safety_margin=None, attention=None)
+    runs = [(f"jitney[{label}]", lambda fields=fields: run_jitney(model, tokenizer, work, args, **fields))
+            for label, fields in engine_modes("cuda").items()]
     rows = []
-    for label, run in (("jitney[torch]", lambda: run_jitney(model, tokenizer, work, args, attention="torch")),
-                       ("jitney[triton]", lambda: run_jitney(model, tokenizer, work, args, attention="triton")),
-                       ("hf-cb", lambda: run_hf_cb(model, tokenizer, work, args))):
+    for label, run in runs + [("hf-cb", lambda: run_hf_cb(model, tokenizer, work, args))]:
         t = time.perf_counter()
         run()
         wall = time.perf_counter() - t
         rows.append((label, wall, out_tokens / wall))
-        print(f"  timing   {label:<16} {wall:8.1f} s {out_tokens / wall:9.1f} out tok/s", flush=True)
+        print(f"  timing   {label:<28} {wall:8.1f} s {out_tokens / wall:9.1f} out tok/s", flush=True)
     base = dict((r[0], r[2]) for r in rows)["hf-cb"]
     print("\n| mode | wall s | output tok/s | vs transformers CB |\n|---|---|---|---|")
     for label, wall, rate in rows:

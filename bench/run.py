@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", default=None, help="jitney's attention backend (default: by device)")
     parser.add_argument("--safety-margin", type=float, default=None, help="jitney's safety margin (default: the scheduler's)")
     parser.add_argument("--cpu-offload-space", type=float, default=0.0, help="GiB of swap pool for jitney (0: soft reset only)")
+    parser.add_argument("--async-batching", action="store_true",
+                        help="jitney launches each decode step before handing out the previous one's tokens")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--static-batch", type=int, default=16)
@@ -89,15 +91,19 @@ class StepStats:
 
 
 def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sharing: bool = True,
-               attention: str | None = None):
+               attention: str | None = None, **config_fields):
+    """Run the workload through jitney; `config_fields` override `EngineConfig` fields."""
     from jitney import Engine, EngineConfig, Request, SamplingParams
 
     need = sum(-(-(len(p) + n) // args.block_size) for p, n in work)
     num_blocks = args.num_blocks or (int(need * args.cache_share) if args.cache_share else need)
-    config = EngineConfig(max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
-                          num_blocks=num_blocks, max_requests_per_batch=max(64, len(work)),
-                          eviction=eviction, allow_block_sharing=sharing, cpu_offload_space=args.cpu_offload_space,
-                          safety_margin=args.safety_margin, attention_backend=attention or args.attention)
+    fields = dict(max_batch_tokens=args.max_batch_tokens, block_size=args.block_size, num_blocks=num_blocks,
+                  max_requests_per_batch=max(64, len(work)), eviction=eviction, allow_block_sharing=sharing,
+                  cpu_offload_space=args.cpu_offload_space, safety_margin=args.safety_margin,
+                  attention_backend=attention or args.attention)
+    if getattr(args, "async_batching", False):
+        fields["use_async_batching"] = True
+    config = EngineConfig(**{**fields, **config_fields})
     stats = StepStats()
     engine = Engine(model, tokenizer, config, plugins=[stats])
     out: list[list[int]] = [[] for _ in work]

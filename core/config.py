@@ -39,13 +39,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cpu_offload_space: Annotated[float, Meta(ge=0.0)] = 0.0
     """GiB of host memory for swapped-out requests (0 disables it)."""
     q_padding_interval_size: Annotated[int, Meta(ge=0)] = 0
-    """CUDA graphs: query lengths are padded to a multiple of this (0 = off)."""
+    """Decode steps run at padded shapes (what CUDA graphs replay): rows padded to a multiple of this.
+    0: 8 with CUDA graphs, no padded steps without. Set off CUDA, decode steps run padded but eagerly."""
     kv_padding_interval_size: Annotated[int, Meta(ge=0)] = 0
-    """CUDA graphs: KV lengths are padded to a multiple of this (0 = off)."""
+    """Padded decode steps: block tables padded to a multiple of this many tokens (0: 256 with CUDA graphs)."""
     use_cuda_graph: bool | None = None
-    """`None` auto-detects (on only on CUDA)."""
+    """Capture padded decode steps as CUDA graphs and replay them. `None`: on where the model is on CUDA and
+    the attention backend has static steps; `True` elsewhere is an error."""
     use_async_batching: bool | None = None
-    """`None` auto-detects (on only with CUDA graphs)."""
+    """Prepare and launch the next decode step before the current one's tokens are handed out (two input
+    buffer pairs, copy and compute streams on CUDA). `None`: on with CUDA graphs; it works anywhere."""
     eviction: str = "mru"
     """Name of the eviction policy for cached prefix blocks."""
     offload_backend: str = "cpu"

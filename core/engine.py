@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import importlib.util
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import math
 import time
@@ -17,7 +18,8 @@ from jitney.cache.manager import CacheManager, LayerGroup
 from jitney.cache.sizing import bytes_per_block, solve_num_blocks, step_overhead_bytes
 from jitney.core import events as ev
 from jitney.core.config import EngineConfig
-from jitney.core.executor import StepExecutor
+from jitney.core.executor import PreparedStep, StepExecutor
+from jitney.core.graphs import CudaGraphCapture, StaticDecoder, eager
 from jitney.core.hooks import make_plugin_manager, registry
 from jitney.core.models import load_model
 from jitney.core.preemption import Preempter
@@ -50,6 +52,7 @@ class Engine:
         backend = registry(self.plugins, "attention backend").create(backend_name, param.device)
         self.cache = self._build_cache(mc, param.dtype, param.device)
         self.executor = StepExecutor(model, self.cache, backend)
+        self.executor.static, self.async_batching = self._plan_static_steps(backend, param.device)
         self.stop_ids = _stop_ids(model, tokenizer)
         offload = registry(self.plugins, "offload backend").create(config.offload_backend, config, self.cache)
         self.preempter = Preempter(self, offload)
@@ -64,6 +67,7 @@ class Engine:
         self._task_group = None
         self._saved_attn = None
         self._packed = None
+        self._worker: ThreadPoolExecutor | None = None  # the one thread every forward runs on
 
     @classmethod
     def from_pretrained(cls, model, config: EngineConfig | None = None, tokenizer=None, plugins: Iterable[object] = ()):
@@ -92,6 +96,28 @@ class Engine:
         return CacheManager(layers, kv_heads, head_dim, cfg.block_size, num_blocks, dtype, device, groups=_layer_groups(mc),
                             prefix_caching=cfg.allow_block_sharing, eviction=eviction)
 
+    def _plan_static_steps(self, backend, device: torch.device) -> tuple[StaticDecoder | None, bool]:
+        """CUDA graphs (auto: on where the device is CUDA and the backend has static steps), padded decode
+        steps (with graphs; or, anywhere, when a padding interval is set), and async batching (auto: with
+        graphs)."""
+        cfg = self.config
+        able = device.type == "cuda" and getattr(backend, "static_steps", False)
+        if cfg.use_cuda_graph and not able:
+            raise ValueError(
+                f"use_cuda_graph needs a CUDA device and an attention backend with static steps "
+                f"(device {device.type}, backend {type(backend).__name__})"
+            )
+        graphs = able if cfg.use_cuda_graph is None else cfg.use_cuda_graph
+        q = cfg.q_padding_interval_size or (8 if graphs else 0)
+        kv = cfg.kv_padding_interval_size or (256 if graphs else 0)
+        static = None
+        if graphs or q or kv:
+            if not getattr(backend, "static_steps", False):
+                raise ValueError(f"padded decode steps need an attention backend with static steps, not {type(backend).__name__}")
+            capture = CudaGraphCapture(self.executor.compute_stream) if graphs else eager
+            static = StaticDecoder(self.model, self.cache, backend, q, kv, capture)
+        return static, graphs if cfg.use_async_batching is None else cfg.use_async_batching
+
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     async def __aenter__(self) -> "Engine":
@@ -101,6 +127,7 @@ class Engine:
         if pack is None:
             pack = next(self.model.parameters()).device.type == "cpu" and cpu_linear.available()
         self._packed = cpu_linear.PackedLinears(self.model).__enter__() if pack else None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="jitney-forward")
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._running = True
@@ -119,6 +146,7 @@ class Engine:
             await self._task_group.__aexit__(None, None, None)
         finally:
             self._flush_events()
+            self._worker.shutdown()
             self.model.set_attn_implementation(self._saved_attn)
             if self._packed is not None:
                 self._packed.__exit__(None, None, None)
@@ -200,14 +228,19 @@ class Engine:
             await self._step()
 
     async def _step(self) -> None:
+        """Schedule a batch and run it. With async batching, while a step of decodes runs, the next one (the
+        same requests, one token further) is prepared, launched as soon as the tokens are known, and the
+        finished step's tokens are handed out while it runs; this goes on until the scheduler is needed
+        again (a request waits, or a row is not a plain decode)."""
         t0 = time.perf_counter()
-        demoted, preempted = self.cache.blocks_demoted, self.preempter.total
+        marks = (self.cache.blocks_demoted, self.preempter.total)
         batch = self._schedule()
-        admitted = {s.request_id for s, _ in batch.entries if s.status is RequestStatus.PENDING}
+        entries = batch.entries
+        admitted = {s.request_id for s, _ in entries if s.status is RequestStatus.PENDING}
         if admitted:
             self.waiting = [s for s in self.waiting if s.request_id not in admitted]
         queried = hit = 0
-        for seq, n in batch.entries:
+        for seq, n in entries:
             if seq.status is RequestStatus.PENDING:
                 seq.status = RequestStatus.PREFILLING
                 bisect.insort(self.active, seq, key=lambda s: s.arrival)
@@ -215,24 +248,69 @@ class Engine:
                 hit += seq.num_computed
                 self.events.append(ev.PrefillStarted(t=t0, request_id=seq.request_id, cached_tokens=seq.num_computed))
         try:
-            prepared = self.executor.prepare(batch.entries)
-            tokens = await anyio.to_thread.run_sync(self.executor.forward, prepared)
-        except Exception as exc:  # a failing forward fails its batch, not the engine
-            log.exception("forward pass failed")
-            for seq, _ in batch.entries:
-                if not seq.status.done:
-                    self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            running = self._worker.submit(self.executor.forward, self.executor.prepare(entries))
+        except Exception as exc:
+            self._fail(entries, exc)
             return
-        self._apply(batch.entries, tokens)
+        ran_ahead = False
+        while True:
+            ahead = self._prepare_ahead(entries) if self.async_batching else None
+            try:
+                tokens = await anyio.to_thread.run_sync(running.result)
+            except Exception as exc:  # a failing forward fails its batch, not the engine
+                self._fail(entries, exc)
+                return
+            if ahead is not None:
+                next_entries, prepared, rows = ahead
+                self.executor.set_tokens(prepared, [tokens[i][0] for i in rows])
+                running = self._worker.submit(self.executor.forward, prepared)
+            # A request that ends here still has a row in the step now running: its blocks may be handed
+            # out again at once, since that row's writes land before any later step writes for a new owner.
+            self._apply(entries, tokens)
+            self._step_completed(entries, t0, marks, queried, hit, ran_ahead)
+            if ahead is None:
+                return
+            entries, t0, queried, hit, ran_ahead = next_entries, time.perf_counter(), 0, 0, True
+            marks = (self.cache.blocks_demoted, self.preempter.total)
+
+    def _prepare_ahead(self, entries: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], PreparedStep, list[int]] | None:
+        """While `entries` run, prepare the step after: every row that decodes now, one token further (its
+        token set once sampled), unless something needs the scheduler first. Returns the step's entries, its
+        inputs, and the row of the running step each entry's token comes from."""
+        if not self._running or self.waiting or self.preempter.offloaded:
+            return None
+        rows = []
+        for i, (seq, n) in enumerate(entries):
+            if seq.status.done:
+                continue
+            if n != 1 or seq.num_computed + 1 != seq.num_tokens or seq.forks:
+                return None
+            if len(seq.output_ids) + 1 < seq.params.max_new_tokens:  # not ending on length this step
+                if not self.cache.reserve(seq.request_id, seq.num_tokens + 1):
+                    return None
+                rows.append(i)
+        if not rows:
+            return None
+        ahead = [(entries[i][0], 1) for i in rows]
+        return ahead, self.executor.prepare(ahead, ahead=True), rows
+
+    def _fail(self, entries: list[tuple[Sequence, int]], exc: Exception) -> None:
+        log.exception("forward pass failed", exc_info=exc)
+        for seq, _ in entries:
+            if not seq.status.done:
+                self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+
+    def _step_completed(self, entries: list[tuple[Sequence, int]], t0: float, marks: tuple[int, int], queried: int,
+                        hit: int, ahead: bool) -> None:
         self.step_count += 1
-        prefill = sum(n for s, n in batch.entries if n > 1)
+        prefill = sum(n for _, n in entries if n > 1)
         self.events.append(ev.StepCompleted(
-            t=time.perf_counter(), step=self.step_count, requests=len(batch.entries), prefill_tokens=prefill,
-            decode_tokens=batch.num_tokens - prefill, forward_s=self.executor.forward_s,
+            t=time.perf_counter(), step=self.step_count, requests=len(entries), prefill_tokens=prefill,
+            decode_tokens=sum(n for _, n in entries) - prefill, forward_s=self.executor.forward_s,
             step_s=time.perf_counter() - t0, waiting=len(self.waiting), running=len(self.active),
             free_blocks=self.cache.num_free_blocks, total_blocks=self.cache.num_blocks,
-            prefix_query_tokens=queried, prefix_hit_tokens=hit, blocks_demoted=self.cache.blocks_demoted - demoted,
-            preemptions=self.preempter.total - preempted, offloaded=len(self.preempter.offloaded),
+            prefix_query_tokens=queried, prefix_hit_tokens=hit, blocks_demoted=self.cache.blocks_demoted - marks[0],
+            preemptions=self.preempter.total - marks[1], offloaded=len(self.preempter.offloaded), ahead=ahead,
         ))
         self._flush_events()
 

@@ -107,6 +107,8 @@ class StepCompleted(Event, frozen=True):
     """Requests offloaded or soft reset this step."""
     offloaded: int = 0
     """Requests waiting in the offload backend after this step."""
+    ahead: bool = False
+    """Async batching: prepared and launched while the step before ran, without asking the scheduler."""
 
 
 AnyEvent = Union[

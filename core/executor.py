@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from jitney.cache.manager import CacheManager
+from jitney.core.graphs import StaticDecoder, StaticDecodeStep
 from jitney.core.request import SamplingParams
 from jitney.core.sampling import sample
 from jitney.core.sequence import Sequence
@@ -28,21 +30,38 @@ class PreparedStep:
     """How many tokens each sampled entry draws from its row: 1, or n when its prompt is done and it forks."""
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
+    static: StaticDecodeStep | None = None
+    """Set when the step runs as a padded static decode step (its inputs live in the step's buffers)."""
 
 
 class StepExecutor:
     """Runs a batch through the model. Called on a worker thread, never on the event loop's."""
 
-    def __init__(self, model: torch.nn.Module, cache: CacheManager, backend: AttentionBackend):
+    def __init__(self, model: torch.nn.Module, cache: CacheManager, backend: AttentionBackend,
+                 static: StaticDecoder | None = None):
         self.model = model
         self.cache = cache
         self.backend = backend
+        self.static = static
         self.device = next(model.parameters()).device
+        # On CUDA, inputs are copied on one stream and the forward runs on another, so that the next step's
+        # inputs can be written while this one runs (async batching).
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.compute_stream = torch.cuda.Stream(self.device) if cuda else None
         self.forward_s = 0.0  # time of the latest forward + sampling
 
-    def prepare(self, entries: list[tuple[Sequence, int]]) -> PreparedStep:
+    def prepare(self, entries: list[tuple[Sequence, int]], ahead: bool = False) -> PreparedStep:
         """Build the step's input tensors, on the event loop's thread: after this, the forward reads nothing
-        that the loop may change (an abort can free a request's blocks while its forward runs)."""
+        that the loop may change (an abort can free a request's blocks while its forward runs).
+
+        `ahead`: every entry is a decode of the token that the running step is still sampling (position
+        `num_tokens`); its token ids are given later with `set_tokens`.
+        """
+        with torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext():
+            return self._prepare(entries, ahead)
+
+    def _prepare(self, entries: list[tuple[Sequence, int]], ahead: bool) -> PreparedStep:
         # Rows with one query token (decodes) go first: the backend batches them in one call.
         order = sorted(range(len(entries)), key=lambda i: entries[i][1] != 1)
         ids: list[int] = []
@@ -50,47 +69,71 @@ class StepExecutor:
         qlens, ctx, sampled_rows, sampled_entries = [], [], [], []
         for i in order:
             seq, n = entries[i]
-            start = seq.num_computed
-            ids.extend(seq.tokens(start, start + n))
+            start = seq.num_tokens if ahead else seq.num_computed
+            ids.extend([0] if ahead else seq.tokens(start, start + n))
             positions.extend(range(start, start + n))
             qlens.append(n)
             ctx.append(start + n)
-            if start + n == seq.num_tokens:
+            if ahead or start + n == seq.num_tokens:
                 sampled_rows.append(len(ids) - 1)
                 sampled_entries.append(i)
         cache = self.cache
+        rows = [[cache.block_table(entries[i][0].request_id, g) for i in order] for g in range(len(cache.groups))]
+        samplers = [[entries[i][0]] + entries[i][0].forks for i in sampled_entries]
+        params = [s.params for group in samplers for s in group]
+        generators = [s.generator for group in samplers for s in group]
+        if self.static is not None and len(sampled_entries) == len(entries) == len(ids) == len(params):
+            # every row a decode, no forks: the step runs at a padded shape (decodes keep their order)
+            return PreparedStep(
+                num_entries=len(entries), input_ids=None, positions=None, keep=None, step=None,
+                sampled_entries=sampled_entries, samples_per_entry=[1] * len(entries), params=params,
+                generators=generators, static=self.static.prepare(ids, positions, rows),
+            )
         tables = []
-        for g in range(len(cache.groups)):
-            rows = [cache.block_table(entries[i][0].request_id, g) for i in order]
-            width = max(len(r) for r in rows)
-            tables.append(torch.tensor([r + [cache.pools[g].padding_block] * (width - len(r)) for r in rows], device=self.device))
+        for g, group_rows in enumerate(rows):
+            width = max(len(r) for r in group_rows)
+            pad = cache.pools[g].padding_block
+            tables.append(torch.tensor([r + [pad] * (width - len(r)) for r in group_rows], device=self.device))
         pos = torch.tensor(positions, device=self.device)
         step = StepInputs(
             query_lens=qlens, context_lens=ctx, num_decodes=sum(1 for n in qlens if n == 1), positions=pos,
             block_tables=tables, group_of_layer=cache.group_of_layer, block_size=cache.block_size,
             padding_slot=cache.padding_slot, keys=cache.keys, values=cache.values,
         )
-        samplers = [[entries[i][0]] + entries[i][0].forks for i in sampled_entries]
         return PreparedStep(
             num_entries=len(entries), input_ids=torch.tensor([ids], device=self.device), positions=pos,
             keep=torch.tensor(sampled_rows or [len(ids) - 1], device=self.device), step=step,
             sampled_entries=sampled_entries, samples_per_entry=[len(group) for group in samplers],
-            params=[s.params for group in samplers for s in group],
-            generators=[s.generator for group in samplers for s in group],
+            params=params, generators=generators,
         )
+
+    def set_tokens(self, prepared: PreparedStep, token_ids: list[int]) -> None:
+        """Give a step prepared `ahead` its input tokens, one per entry in entry order."""
+        with torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext():
+            ids = torch.tensor(token_ids, device=self.device)
+            if prepared.static is not None:
+                prepared.static.input_ids[0, : len(token_ids)].copy_(ids)
+            else:
+                prepared.input_ids[0].copy_(ids)
 
     def forward(self, prepared: PreparedStep) -> list[list[int] | None]:
         """Run the model; return, per entry, its sampled tokens (one per sample) or None (prompt not done)."""
         t0 = time.perf_counter()
         p = prepared
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=p.input_ids, position_ids=p.positions[None], use_cache=False, logits_to_keep=p.keep,
-                **{STEP_KWARG: self.backend.prepare(p.step)},
-            )
+        stream = self.compute_stream
+        if stream is not None:
+            stream.wait_stream(self.copy_stream)
+            stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else nullcontext():
+            if p.static is not None:
+                logits = self.static.forward(p.static)
+            else:
+                logits = self.model(
+                    input_ids=p.input_ids, position_ids=p.positions[None], use_cache=False, logits_to_keep=p.keep,
+                    **{STEP_KWARG: self.backend.prepare(p.step)},
+                ).logits[0]
             result: list[list[int] | None] = [None] * p.num_entries
             if p.sampled_entries:
-                logits = out.logits[0]
                 if len(p.params) > len(p.sampled_entries):  # forking rows draw several tokens from one row
                     logits = logits.repeat_interleave(torch.tensor(p.samples_per_entry, device=logits.device), dim=0)
                 tokens = sample(logits, p.params, p.generators)
@@ -98,5 +141,7 @@ class StepExecutor:
                 for i, count in zip(p.sampled_entries, p.samples_per_entry):
                     result[i] = tokens[start : start + count]
                     start += count
+            if stream is not None:
+                stream.synchronize()  # the step is over on the device too: its blocks may be handed out again
         self.forward_s = time.perf_counter() - t0
         return result

@@ -34,6 +34,15 @@ class StepInputs:
     keys: list[torch.Tensor]
     """Per layer, the cache's key storage [slots, kv_heads, head_dim]."""
     values: list[torch.Tensor]
+    static: bool = False
+    """Shapes fixed for a CUDA graph: every row is a decode, lengths and indices live in device tensors that
+    are rewritten between replays (`context_tensor`, `write_slots` are given), and `context_lens` holds no
+    values. A backend then derives shapes only from tensor shapes and launches no host-to-device copy."""
+
+    @cached_property
+    def context_tensor(self) -> torch.Tensor:
+        """[R] `context_lens` on the step's device (int64)."""
+        return torch.tensor(self.context_lens, device=self.positions.device)
 
     @cached_property
     def write_slots(self) -> list[torch.Tensor]:
@@ -60,6 +69,9 @@ class AttentionBackend(Protocol):
 
     `prepare` runs once per step on the step's metadata (index tensors shared by every layer); what it
     returns is then called once per layer inside the model's forward.
+
+    A backend that sets ``static_steps = True`` also handles `StepInputs.static` steps, which CUDA graphs
+    and padded decode steps need (without it, the engine turns CUDA graphs off).
     """
 
     def prepare(self, step: StepInputs) -> StepAttention: ...

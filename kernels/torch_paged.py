@@ -12,6 +12,8 @@ class TorchPagedAttention:
     """Per layer: one scatter of the new K/V into the cache, one SDPA call over every decode row (query
     heads grouped under their KV head), and one SDPA call over the prefill chunks padded to a rectangle."""
 
+    static_steps = True  # works on StepInputs.static steps (CUDA graphs)
+
     def prepare(self, step: StepInputs) -> "_TorchStep":
         return _TorchStep(step)
 
@@ -27,18 +29,20 @@ class _TorchStep:
         self.keys, self.values = step.keys, step.values
         self.group_of_layer = step.group_of_layer
         bs, pad = step.block_size, step.padding_slot
-        qlens = torch.tensor(step.query_lens)
-        ctx = torch.tensor(step.context_lens)
+        device = step.positions.device
+        qlens = torch.tensor(step.query_lens, device=device)
+        ctx = step.context_tensor
         nd = self.nd = step.num_decodes
-        self.T = int(qlens.sum())
+        self.T = sum(step.query_lens)
         tables = step.block_tables
         self.write_slots = step.write_slots
         self._masks: dict[tuple[str, int | None], torch.Tensor] = {}
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
         if nd:  # decode rows: [nd, Ld] context slots, reads past each context go to the padding slot
-            ld = int(ctx[:nd].max())
-            pos = torch.arange(ld).expand(nd, ld)
+            # A static step reads its whole (padded) tables: its lengths are not known on the host.
+            ld = tables[0].shape[1] * bs if step.static else max(step.context_lens[:nd])
+            pos = torch.arange(ld, device=device).expand(nd, ld)
             self.dec_valid = pos < ctx[:nd, None]
             self.dec_pos, self.dec_last = pos, ctx[:nd, None] - 1
             self.dec_read = [torch.where(self.dec_valid, _slots(t[:nd], pos.clamp(max=t.shape[1] * bs - 1), bs), pad).view(-1) for t in tables]
@@ -48,19 +52,19 @@ class _TorchStep:
         self.np = np_
         if np_:
             pq, pctx = qlens[nd:], ctx[nd:]
-            self.qmax, self.lp = int(pq.max()), int(pctx.max())
+            self.qmax, self.lp = max(step.query_lens[nd:]), max(step.context_lens[nd:])
             starts = torch.cumsum(qlens, 0)[nd:] - pq  # first row of each chunk in the flat batch
-            i = torch.arange(self.qmax)
+            i = torch.arange(self.qmax, device=device)
             clipped = torch.minimum(i[None, :], pq[:, None] - 1)  # padding query rows repeat the chunk's last row
             self.pre_rows = (starts[:, None] + clipped).view(-1)
             self.pre_qpos = pctx[:, None] - pq[:, None] + clipped  # [P, qmax] absolute positions
-            self.pre_unpad = (torch.arange(np_)[:, None] * self.qmax + i[None, :])[i[None, :] < pq[:, None]]
-            kpos = torch.arange(self.lp).expand(np_, self.lp)
+            self.pre_unpad = (torch.arange(np_, device=device)[:, None] * self.qmax + i[None, :])[i[None, :] < pq[:, None]]
+            kpos = torch.arange(self.lp, device=device).expand(np_, self.lp)
             self.pre_kpos = kpos
             valid = kpos < pctx[:, None]
             self.pre_read = [torch.where(valid, _slots(t[nd:], kpos.clamp(max=t.shape[1] * bs - 1), bs), pad).view(-1) for t in tables]
             # A single chunk that starts a prompt attends only to itself: plain causal attention, no gather.
-            self.fresh = np_ == 1 and int(pctx[0]) == int(pq[0])
+            self.fresh = np_ == 1 and step.context_lens[nd] == step.query_lens[nd]
 
     def _gather(self, kind: str, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the context rows out of the cache into buffers made once per step and reused by every layer

@@ -101,6 +101,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, tile_req_ptr, tile
 class TritonPagedAttention:
     """The Triton backend: the same contract as the torch reference (`jitney.kernels.base.StepAttention`)."""
 
+    static_steps = True  # works on StepInputs.static steps (CUDA graphs)
+
     block_m = 16
 
     def prepare(self, step: StepInputs) -> "_TritonStep":
@@ -118,7 +120,7 @@ class _TritonStep:
             starts.append(starts[-1] + q)
         self.tables = [t.to(torch.int32).contiguous() for t in step.block_tables]
         self.write_slots = step.write_slots
-        self.decode_ctx = torch.tensor(step.context_lens[: self.nd], dtype=torch.int32, device=device)
+        self.decode_ctx = step.context_tensor[: self.nd].to(torch.int32)
         tiles = []  # (request, first row, rows, position of the first row)
         for r in range(self.nd, len(step.query_lens)):
             q, ctx = step.query_lens[r], step.context_lens[r]
