@@ -126,8 +126,10 @@ class Engine:
         pack = self.config.pack_cpu_weights
         if pack is None:
             pack = next(self.model.parameters()).device.type == "cpu" and cpu_linear.available()
-        self._packed = cpu_linear.PackedLinears(self.model).__enter__() if pack else None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="jitney-forward")
+        # Packed on the thread that runs the forwards: weights packed on another thread made each step of
+        # SmolLM2 at batch 1 ~30% slower (55 vs 42 ms).
+        self._packed = self._worker.submit(cpu_linear.PackedLinears(self.model).__enter__).result() if pack else None
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._running = True
