@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--null-executor", action="store_true",
                         help="only time the engine without the model (scheduler, cache, step preparation, bus) at 256 requests")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this file")
+    parser.add_argument("--plot", dest="plot_path", default=None, help="also draw them into this PNG (needs matplotlib)")
 
 
 def matmul_peak_gflops(seconds: float = 2.0) -> float:
@@ -239,17 +240,30 @@ def main(args) -> int:
         rows.append(row)
         print(f"  {label}: {wall:.1f} s (+{startup:.1f} s start-up)", flush=True)
     base = outputs[rows[0]["mode"]]
-    print(f"\n{'mode':<14} {'wall s':>7} {'out tok/s':>9} {'vs first':>8} {'roofline':>8} {'hit rate':>8} "
-          f"{'prompt computed':>15} {'ITL p99 ms':>10} {'preempted':>9} {'same tokens':>11} {'peak RSS MiB':>12}")
     for row in rows:
         row["same_tokens_as_first"] = agreement(outputs[row["mode"]], base)
+        for hf in ("hf-cb", "hf-static"):
+            other = next((r for r in rows if r["mode"] == hf), None)
+            if other is not None and row is not other:
+                row[f"vs_{hf}"] = round(row["output_tok_s"] / other["output_tok_s"], 2)
+    print(f"\n{'mode':<14} {'wall s':>7} {'out tok/s':>9} {'vs hf-cb':>8} {'vs static':>9} {'roofline':>8} {'hit rate':>8} "
+          f"{'prompt computed':>15} {'ITL p99 ms':>10} {'preempted':>9} {'same tokens':>11} {'peak RSS MiB':>12}")
+    for row in rows:
         hit = f"{row['prefix_hit_rate']:.0%}" if "prefix_hit_rate" in row else "-"
         computed = str(row.get("prompt_tokens_computed", "-"))
         itl, preempted = str(row.get("itl_p99_ms", "-")), str(row.get("preemptions", "-"))
-        print(f"{row['mode']:<14} {row['wall_s']:>7.1f} {row['output_tok_s']:>9.1f} "
-              f"{row['output_tok_s'] / rows[0]['output_tok_s']:>7.2f}x {row['roofline_share']:>8.0%} {hit:>8} "
-              f"{computed:>15} {itl:>10} {preempted:>9} {row['same_tokens_as_first']:>11.0%} {row['peak_rss_mib']:>12}")
+        cb, static = (f"{row[k]:.2f}x" if k in row else "-" for k in ("vs_hf-cb", "vs_hf-static"))
+        print(f"{row['mode']:<14} {row['wall_s']:>7.1f} {row['output_tok_s']:>9.1f} {cb:>8} {static:>9} "
+              f"{row['roofline_share']:>8.0%} {hit:>8} {computed:>15} {itl:>10} {preempted:>9} "
+              f"{row['same_tokens_as_first']:>11.0%} {row['peak_rss_mib']:>12}")
+    report = {"workload": args.workload, "requests": len(work), "output_tokens": out_tokens,
+              "matmul_peak_gflops": peak, "workload_gflop": gflop, "rows": rows}
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump({"workload": args.workload, "matmul_peak_gflops": peak, "workload_gflop": gflop, "rows": rows}, f, indent=2)
+            json.dump(report, f, indent=2)
+    if args.plot_path:
+        from jitney.bench.plot import plot
+
+        plot(report, args.plot_path)
+        print(f"plot written to {args.plot_path}")
     return 0

@@ -9,11 +9,11 @@ from support import tiny_llama
 from jitney.cli import main as cli
 
 
-def test_bench_runs_each_mode_and_writes_json(tmp_path):
+def test_bench_runs_each_mode_and_writes_json_and_a_plot(tmp_path):
     tiny_llama().save_pretrained(tmp_path / "tiny")
-    out = tmp_path / "bench.json"
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = cli(["bench", "--model", str(tmp_path / "tiny"), "--workload", "long-prompt", "--max-batch-tokens", "48",
-                "--modes", "jitney,jitney-nocache,hf-cb,hf-static", "--json", str(out)])
+                "--modes", "jitney,jitney-nocache,hf-cb,hf-static", "--json", str(out), "--plot", str(png)])
     assert code == 0
     report = json.loads(out.read_text())
     assert [r["mode"] for r in report["rows"]] == ["jitney", "jitney-nocache", "hf-cb", "hf-static"]
@@ -22,6 +22,9 @@ def test_bench_runs_each_mode_and_writes_json(tmp_path):
         assert row["same_tokens_as_first"] == 1.0
     assert report["rows"][0]["prompt_tokens_computed"] <= report["rows"][1]["prompt_tokens_computed"]
     assert 0 <= report["rows"][0]["kv_unused_share"] < 0.5
+    jitney, cb = report["rows"][0], report["rows"][2]
+    assert jitney["vs_hf-cb"] == round(jitney["output_tok_s"] / cb["output_tok_s"], 2) and "vs_hf-cb" not in cb
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def test_null_executor_times_the_engine_alone(tmp_path):
