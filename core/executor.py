@@ -21,10 +21,10 @@ class PreparedStep:
     """One step's inputs, built before the forward runs."""
 
     num_entries: int
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    keep: torch.Tensor
-    step: StepInputs
+    input_ids: torch.Tensor | None  # None (like positions, keep and step) for a static step
+    positions: torch.Tensor | None
+    keep: torch.Tensor | None
+    step: StepInputs | None
     sampled_entries: list[int]
     samples_per_entry: list[int]
     """How many tokens each sampled entry draws from its row: 1, or n when its prompt is done and it forks."""
