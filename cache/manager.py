@@ -24,6 +24,12 @@ class LayerGroup:
     window: int | None = None
 
 
+def blocks_view(store: torch.Tensor, block_size: int) -> torch.Tensor:
+    """A layer's key or value storage as [kv_heads, blocks, block_size * head_dim] (a view, no copy)."""
+    kvh, dim = store.shape[1], store.shape[2]
+    return store.transpose(0, 1).view(kvh, -1, block_size * dim)
+
+
 class CacheManager:
     """Owns the paged KV cache and decides, all or nothing, whether a request's next tokens fit.
 
@@ -53,8 +59,12 @@ class CacheManager:
         slots = (num_blocks + 2) * block_size
         # torch.empty: pages are committed only as blocks are first written. Reads never go past a
         # request's written tokens except into the zeroed padding blocks.
-        self.keys = [torch.empty(slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty_like(k) for k in self.keys]
+        # Indexed [slot, kv head, dim] but stored head-major ([kv head, slot, dim] underneath): a gather of
+        # many slots for one head then copies into a layout batched matmuls take as they are.
+        self.keys, self.values = (
+            [torch.empty(num_kv_heads, slots, head_dim, dtype=dtype, device=device).transpose(0, 1) for _ in range(num_layers)]
+            for _ in range(2)
+        )
         pad = slice(num_blocks * block_size, slots)
         for t in self.keys + self.values:
             t[pad].zero_()
@@ -89,9 +99,19 @@ class CacheManager:
         if any(pool.num_free < need for pool in self.pools):
             return False
         tables = self._tables.setdefault(request_id, [[] for _ in self.groups])
-        for pool, table in zip(self.pools, tables):
-            table.extend(pool.allocate(need))
+        for g, (pool, table) in enumerate(zip(self.pools, tables)):
+            fresh = pool.allocate(need)
+            self._zero_blocks(g, fresh)
+            table.extend(fresh)
         return True
+
+    def _zero_blocks(self, group: int, blocks: list[int]) -> None:
+        """Zero newly allocated blocks: attention reads whole blocks, and the slots a request has not
+        written yet must hold finite values (masked, they weigh nothing; uninitialised memory may be NaN)."""
+        ids = torch.tensor(blocks, device=self.keys[0].device)
+        for layer in self.groups[group].layers:
+            for store in (self.keys[layer], self.values[layer]):
+                blocks_view(store, self.block_size).index_fill_(1, ids, 0.0)
 
     def match_prefix(self, seq: Sequence) -> int:
         """Give a request that holds no blocks yet the cached blocks holding the start of its tokens; set and
