@@ -48,7 +48,7 @@ class Engine:
         self.max_context = getattr(mc, "max_position_embeddings", None) or math.inf
         self.vocab_size = mc.vocab_size
         param = next(model.parameters())
-        backend_name = config.attention_backend or _default_attention(param.device)
+        backend_name = config.attention_backend or _default_attention(param)
         backend = registry(self.plugins, "attention backend").create(backend_name, param.device)
         self.cache = self._build_cache(mc, param.dtype, param.device)
         self.executor = StepExecutor(model, self.cache, backend)
@@ -438,10 +438,16 @@ class Engine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
 
-def _default_attention(device: torch.device) -> str:
-    """Triton's kernels on CUDA when Triton is installed; the torch reference elsewhere."""
-    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+def _default_attention(param: torch.Tensor) -> str:
+    """Triton's kernels on CUDA when Triton is installed; for fp32 on CPU the C++ kernel where it builds;
+    the torch reference elsewhere."""
+    if param.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"
+    if param.device.type == "cpu" and param.dtype == torch.float32:
+        from jitney.kernels import cpu_paged
+
+        if cpu_paged.available():
+            return "cpu"
     return "torch"
 
 

@@ -18,7 +18,13 @@ else:
 
         return TritonPagedAttention()
 
+    def _cpu(device):
+        from jitney.kernels.cpu_paged import CpuPagedAttention
+
+        return CpuPagedAttention()
+
     @hookimpl
     def jitney_register_attention_backends(register):
         register("torch", lambda device: TorchPagedAttention())
         register("triton", _triton)
+        register("cpu", _cpu)

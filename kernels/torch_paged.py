@@ -34,15 +34,8 @@ class _TorchStep:
         self._masks: dict[tuple[str, int | None], torch.Tensor] = {}
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
-        # Contexts are gathered block by block (whole blocks of each table, padding blocks included), so a
-        # row's Ld keys are its table's width in blocks times the block size; the mask hides the rest.
-        if nd:  # decode rows (a static step reads its whole padded tables: its lengths are on the device)
-            wd = tables[0].shape[1] if step.static else -(-max(step.context_lens[:nd]) // bs)
-            self.dec_blocks = [t[:nd, :wd].reshape(-1) for t in tables]
-            ld = self.ld = wd * bs
-            pos = torch.arange(ld, device=device).expand(nd, ld)
-            self.dec_valid = pos < ctx[:nd, None]
-            self.dec_pos, self.dec_last = pos, ctx[:nd, None] - 1
+        if nd:
+            self._init_decode(step)
 
         np_ = len(qlens) - nd
         self.np = np_
@@ -60,6 +53,18 @@ class _TorchStep:
             self.pre_blocks = [t[nd:, :wp].reshape(-1) for t in tables]
             # A single chunk that starts a prompt attends only to itself: plain causal attention, no gather.
             self.fresh = np_ == 1 and step.context_lens[nd] == step.query_lens[nd]
+
+    def _init_decode(self, step: StepInputs) -> None:
+        # Contexts are gathered block by block (whole blocks of each table, padding blocks included), so a
+        # row's Ld keys are its table's width in blocks times the block size; the mask hides the rest.
+        # A static step reads its whole padded tables: its lengths are on the device only.
+        nd, bs, tables, ctx = self.nd, self.block_size, step.block_tables, step.context_tensor
+        wd = tables[0].shape[1] if step.static else -(-max(step.context_lens[:nd]) // bs)
+        self.dec_blocks = [t[:nd, :wd].reshape(-1) for t in tables]
+        ld = self.ld = wd * bs
+        pos = torch.arange(ld, device=ctx.device).expand(nd, ld)
+        self.dec_valid = pos < ctx[:nd, None]
+        self.dec_pos, self.dec_last = pos, ctx[:nd, None] - 1
 
     def _gather(self, kind: str, kc: torch.Tensor, vc: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy whole blocks out of the cache (stored head-major: each head's block is one contiguous run),
@@ -101,35 +106,42 @@ class _TorchStep:
         kc.index_copy_(0, self.write_slots[g], k_new)
         vc.index_copy_(0, self.write_slots[g], v_new)
         q = query[0]  # [H, T, D]
+        out = torch.empty(self.T, q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
+        if self.nd:
+            out[: self.nd] = self._decode(g, kc, vc, q[:, : self.nd], scaling, sliding_window)
+        if self.np:
+            out[self.nd :] = self._prefill(g, kc, vc, q, key, value, scaling, sliding_window)
+        return out.unsqueeze(0)
+
+    def _decode(self, g, kc, vc, q, scaling, sliding_window) -> torch.Tensor:
+        """Decode rows ([H, nd, D] queries) -> [nd, H, D]: batched matmuls over (KV head, row), each row's
+        query heads under one KV head against that head's gathered context (SDPA's CPU kernels are slow on
+        so few query rows per call)."""
+        heads, nd, dim = q.shape
+        kvh, ld = kc.shape[1], self.ld
+        group = heads // kvh
+        qd = (q * scaling).view(kvh, group, nd, dim).transpose(1, 2).reshape(kvh * nd, group, dim)
+        kd, vd = self._gather("decode", kc, vc, self.dec_blocks[g])
+        scores = torch.bmm(qd, kd.view(kvh * nd, ld, dim).transpose(1, 2))
+        scores.view(kvh, nd, group, ld).masked_fill_(self._mask("decode", sliding_window), float("-inf"))
+        od = torch.bmm(torch.softmax(scores, dim=-1), vd.view(kvh * nd, ld, dim))
+        return od.view(kvh, nd, group, dim).permute(1, 0, 2, 3).reshape(nd, heads, dim)
+
+    def _prefill(self, g, kc, vc, q, key, value, scaling, sliding_window) -> torch.Tensor:
+        """Prefill chunks (rows after the decodes of `q`, [H, T, D]) -> [T - nd, H, D]."""
         heads, _, dim = q.shape
         kvh = kc.shape[1]
-        out = torch.empty(self.T, heads, dim, dtype=q.dtype, device=q.device)
-
-        if self.nd:
-            # Batched matmuls over (KV head, row): each row's query heads under one KV head against that
-            # head's gathered context; SDPA's CPU kernels are slow on so few query rows per call.
-            nd, ld, group = self.nd, self.ld, heads // kvh
-            qd = (q[:, :nd] * scaling).view(kvh, group, nd, dim).transpose(1, 2).reshape(kvh * nd, group, dim)
-            kd, vd = self._gather("decode", kc, vc, self.dec_blocks[g])
-            scores = torch.bmm(qd, kd.view(kvh * nd, ld, dim).transpose(1, 2))
-            scores.view(kvh, nd, group, ld).masked_fill_(self._mask("decode", sliding_window), float("-inf"))
-            od = torch.bmm(torch.softmax(scores, dim=-1), vd.view(kvh * nd, ld, dim))
-            out[:nd] = od.view(kvh, nd, group, dim).permute(1, 0, 2, 3).reshape(nd, heads, dim)
-
-        if self.np:
-            np_, qmax, lp = self.np, self.qmax, self.lp
-            if self.fresh and sliding_window is None:
-                qp = q[:, self.nd :].unsqueeze(0)
-                kp = key[:, :, self.nd :]
-                vp = value[:, :, self.nd :]
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=heads != kvh)
-                out[self.nd :] = op[0].transpose(0, 1)
-            else:
-                qp = q.index_select(1, self.pre_rows).view(heads, np_, qmax, dim).transpose(0, 1)
-                kp, vp = self._gather("prefill", kc, vc, self.pre_blocks[g])
-                kp, vp = kp.view(kvh, np_, lp, dim).transpose(0, 1), vp.view(kvh, np_, lp, dim).transpose(0, 1)
-                op = F.scaled_dot_product_attention(
-                    qp, kp, vp, attn_mask=self._mask("prefill", sliding_window), scale=scaling, enable_gqa=heads != kvh
-                )
-                out[self.nd :] = op.transpose(1, 2).reshape(np_ * qmax, heads, dim).index_select(0, self.pre_unpad)
-        return out.unsqueeze(0)
+        np_, qmax, lp = self.np, self.qmax, self.lp
+        if self.fresh and sliding_window is None:
+            qp = q[:, self.nd :].unsqueeze(0)
+            kp = key[:, :, self.nd :]
+            vp = value[:, :, self.nd :]
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=heads != kvh)
+            return op[0].transpose(0, 1)
+        qp = q.index_select(1, self.pre_rows).view(heads, np_, qmax, dim).transpose(0, 1)
+        kp, vp = self._gather("prefill", kc, vc, self.pre_blocks[g])
+        kp, vp = kp.view(kvh, np_, lp, dim).transpose(0, 1), vp.view(kvh, np_, lp, dim).transpose(0, 1)
+        op = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=self._mask("prefill", sliding_window), scale=scaling, enable_gqa=heads != kvh
+        )
+        return op.transpose(1, 2).reshape(np_ * qmax, heads, dim).index_select(0, self.pre_unpad)

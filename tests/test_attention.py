@@ -30,7 +30,13 @@ def triton_backend():
     return TritonPagedAttention()
 
 
-@pytest.mark.parametrize("backend", [TorchPagedAttention, triton_backend])
+def cpu_backend():
+    from jitney.kernels.cpu_paged import CpuPagedAttention
+
+    return CpuPagedAttention()
+
+
+@pytest.mark.parametrize("backend", [TorchPagedAttention, triton_backend, cpu_backend])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("window", [None, 5])

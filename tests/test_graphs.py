@@ -99,7 +99,7 @@ def test_padded_logits_equal_the_eager_step(llama):
 
 
 @pytest.mark.parametrize("model_fn", [None, tiny_mistral, tiny_gemma2], ids=["llama", "mistral", "gemma2"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("pad, ahead", [(True, False), (False, True), (True, True)], ids=["padded", "async", "both"])
 def test_static_steps_and_async_batching_match_generate(llama, model_fn, backend, pad, ahead):
     model = llama if model_fn is None else model_fn(window=6)
