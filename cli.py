@@ -31,11 +31,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _setup(args: argparse.Namespace) -> int:
     from jitney.core.models import embedded_checkpoint
-    from jitney.kernels import cpu_paged
+    from jitney.kernels import native
 
     print(embedded_checkpoint())
     # built here once, so that the first engine does not wait for the compiler
-    print("CPU attention kernel:", "built" if cpu_paged.available() else "not available (the torch backend is used)")
+    print("C++ CPU kernels:", "built" if native.available() else "not available (torch's are used)")
     return 0
 
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--num-blocks", type=int, default=256)
     gen.set_defaults(func=_generate)
 
-    setup = sub.add_parser("setup", help="convert the embedded SmolLM2 once (print where it is cached) and build the CPU attention kernel")
+    setup = sub.add_parser("setup", help="convert the embedded SmolLM2 once (print where it is cached) and build the C++ CPU kernels")
     setup.set_defaults(func=_setup)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")

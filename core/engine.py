@@ -444,9 +444,9 @@ def _default_attention(param: torch.Tensor) -> str:
     if param.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"
     if param.device.type == "cpu" and param.dtype == torch.float32:
-        from jitney.kernels import cpu_paged
+        from jitney.kernels import native
 
-        if cpu_paged.available():
+        if native.available():
             return "cpu"
     return "torch"
 

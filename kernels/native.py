@@ -1,0 +1,154 @@
+"""C++ kernels for the CPU, compiled once per machine with its C++ compiler (`torch.utils.cpp_extension`,
+into ``<jitney cache>/kernels``; `jitney setup` builds them ahead). Where they cannot be built, callers fall
+back to torch: `available()` says which.
+
+- `paged_decode`: decode rows' attention read in place through the block tables (`kernels/cpu_paged.py`).
+- `small_linear`: fp32 `x @ w.T + b` for a few rows, each weight row read once for all of them
+  (`kernels/cpu_linear.py`, batch-1 decode).
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("jitney")
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+// One decode row per (row, KV head) task: its `group` query heads attend over positions
+// [first, ctx) of the row's context, read through its block table from the head-major cache.
+void paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables, torch::Tensor ctx,
+                  torch::Tensor out, double scale, int64_t window, int64_t block_size) {
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && tables.is_contiguous() && ctx.is_contiguous(),
+              "paged_decode: contiguous inputs, head-major cache");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong,
+              "paged_decode: fp32 queries and cache, int64 tables and lengths");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k.size(0), slots = k.size(1), width = tables.size(1);
+  const int64_t group = heads / kv_heads;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* cp = ctx.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(group * dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads;
+      const int64_t len = std::min(cp[r], width * block_size);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      scores.assign(group * n, 0.f);
+      const float* q0 = qp + (r * heads + h * group) * dim;
+      const float* kh = kp + h * slots * dim;
+      const float* vh = vp + h * slots * dim;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t pos = first + i;
+        const float* kr = kh + (tp[r * width + pos / block_size] * block_size + pos % block_size) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q0 + g * dim;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < dim; ++d) s += qg[d] * kr[d];
+          scores[g * n + i] = s * (float)scale;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::vector<float> total(group, 0.f);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * n;
+        const float m = *std::max_element(sg, sg + n);
+        for (int64_t i = 0; i < n; ++i) {
+          sg[i] = std::exp(sg[i] - m);
+          total[g] += sg[i];
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t pos = first + i;
+        const float* vr = vh + (tp[r * width + pos / block_size] * block_size + pos % block_size) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * n + i];
+          float* ag = acc.data() + g * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) ag[d] += p * vr[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = op + (r * heads + h * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = acc[g * dim + d] / total[g];
+      }
+    }
+  });
+}
+
+// y = x @ w.T (+ b) for a few rows of x ([M, K]), w [N, K]: threads split the output features, each weight
+// row is read once and used for every row of x.
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat,
+              "small_linear: contiguous fp32 inputs");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  auto y = torch::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  torch::Tensor bias = b.has_value() ? b->contiguous() : torch::Tensor();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const float* wr = wp + j * k;
+      for (int64_t i = 0; i < m; ++i) {
+        const float* xr = xp + i * k;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t c = 0; c < k; ++c) s += xr[c] * wr[c];
+        yp[i * n + j] = bp ? s + bp[j] : s;
+      }
+    }
+  });
+  return y;
+}
+"""
+
+_module = None
+_failure: Exception | None = None
+
+
+def load():
+    """Compile (once per machine and source) and load the kernels; raises where they cannot be built."""
+    global _module, _failure
+    if _failure is not None:
+        raise _failure
+    if _module is None:
+        from torch.utils.cpp_extension import load_inline
+
+        from jitney.core.models import cache_dir
+
+        build = cache_dir() / "kernels" / "cpu"
+        build.mkdir(parents=True, exist_ok=True)
+        try:
+            _module = load_inline(
+                "jitney_cpu", cpp_sources=_SOURCE, functions=["paged_decode", "small_linear"],
+                build_directory=str(build), extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            )
+        except Exception as exc:  # no compiler, no headers, ...: not retried in this process
+            _failure = exc
+            log.warning("jitney's C++ CPU kernels could not be built (%s); using torch's", exc)
+            raise
+    return _module
+
+
+def available() -> bool:
+    """Whether the kernels build and load here."""
+    try:
+        load()
+        return True
+    except Exception:
+        return False
+
+

@@ -1,0 +1,33 @@
+"""The C++ CPU kernels against torch (the paged decode kernel is covered with the attention backends)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from jitney.kernels import cpu_linear, native
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("bias", [True, False])
+def test_small_linear_matches_f_linear(rows, bias):
+    w, x = torch.randn(300, 70), torch.randn(rows, 70)
+    b = torch.randn(300) if bias else None
+    torch.testing.assert_close(native.load().small_linear(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linears_match_nn_linear_on_the_small_path_and_on_onednn():
+    layer = torch.nn.Linear(64, 96)
+    with torch.inference_mode():
+        for rows in (1, cpu_linear.SMALL_ROWS, cpu_linear.SMALL_ROWS + 3):
+            x = torch.randn(2, rows, 64)
+            want = layer(x)
+            with cpu_linear.PackedLinears(layer):
+                got = layer(x)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_small_linear_refuses_other_dtypes():
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        native.load().small_linear(torch.randn(1, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64), None)
