@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import bisect
 import importlib.util
-from concurrent.futures import ThreadPoolExecutor
 import logging
 import math
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import anyio
@@ -256,7 +256,11 @@ class Engine:
             return
         ran_ahead = False
         while True:
-            ahead = self._prepare_ahead(entries) if self.async_batching else None
+            try:
+                ahead = self._prepare_ahead(entries) if self.async_batching else None
+            except Exception:  # the scheduler will take the next step instead
+                log.exception("preparing the next step ahead failed")
+                ahead = None
             try:
                 tokens = await anyio.to_thread.run_sync(running.result)
             except Exception as exc:  # a failing forward fails its batch, not the engine

@@ -25,7 +25,6 @@ class _TorchStep:
         self.group_of_layer = step.group_of_layer
         bs = self.block_size = step.block_size
         device = step.positions.device
-        qlens = torch.tensor(step.query_lens, device=device)
         ctx = step.context_tensor
         nd = self.nd = step.num_decodes
         self.T = sum(step.query_lens)
@@ -37,9 +36,9 @@ class _TorchStep:
         if nd:
             self._init_decode(step)
 
-        np_ = len(qlens) - nd
-        self.np = np_
-        if np_:
+        np_ = self.np = len(step.query_lens) - nd
+        if np_:  # (a static step has none: nothing here may copy from the host during a graph capture)
+            qlens = torch.tensor(step.query_lens, device=device)
             pq, pctx = qlens[nd:], ctx[nd:]
             wp = -(-max(step.context_lens[nd:]) // bs)
             self.qmax, self.lp = max(step.query_lens[nd:]), wp * bs

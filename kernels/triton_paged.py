@@ -126,9 +126,9 @@ class _TritonStep:
             q, ctx = step.query_lens[r], step.context_lens[r]
             for off in range(0, q, block_m):
                 tiles.append((r, starts[r] + off, min(block_m, q - off), ctx - q + off))
-        cols = list(zip(*tiles)) if tiles else [[], [], [], []]
+        # (no tiles in a static step: nothing here may copy from the host during a graph capture)
         self.tile_req, self.tile_row, self.tile_len, self.tile_pos = (
-            torch.tensor(c, dtype=torch.int32, device=device) for c in cols)
+            torch.tensor(c, dtype=torch.int32, device=device) for c in zip(*tiles)) if tiles else (None,) * 4
         self.block_m = block_m
 
     def __call__(self, layer, query, key, value, scaling, sliding_window):
@@ -148,7 +148,7 @@ class _TritonStep:
             _decode_kernel[(self.nd, kvh)](
                 q, kc, vc, out, table, self.decode_ctx, scaling, window, q.stride(0), q.stride(1), kc.stride(0),
                 kc.stride(1), table.stride(0), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), **common)
-        if self.tile_req.numel():
+        if self.tile_req is not None:
             _prefill_kernel[(self.tile_req.numel(), heads)](
                 q, kc, vc, out, table, self.tile_req, self.tile_row, self.tile_len, self.tile_pos, scaling, window,
                 q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), table.stride(0), GROUP=group,
