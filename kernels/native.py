@@ -10,6 +10,9 @@ back to torch: `available()` says which.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import sysconfig
 
 log = logging.getLogger("jitney")
 
@@ -155,6 +158,9 @@ def load():
         raise _failure
     if _module is None:
         from torch.utils.cpp_extension import load_inline
+
+        if shutil.which("ninja") is None:  # torch's loader runs `ninja` from PATH: take the one pip installed
+            os.environ["PATH"] = sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", "")
 
         from jitney.core.models import cache_dir
 
