@@ -9,8 +9,10 @@ back to torch: `available()` says which.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import shutil
 import sysconfig
 
@@ -164,7 +166,7 @@ def load():
 
         from jitney.core.models import cache_dir
 
-        build = cache_dir() / "kernels" / "cpu"
+        build = cache_dir() / "kernels" / f"cpu-{_cpu_tag()}"  # built with -march=native: one per CPU kind
         build.mkdir(parents=True, exist_ok=True)
         try:
             _module = load_inline(
@@ -179,6 +181,16 @@ def load():
             log.warning("jitney's C++ CPU kernels could not be built (%s); using torch's", exc)
             raise
     return _module
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's feature flags (Linux), else of what `platform` says about it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            what = next(line for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        what = f"{platform.machine()} {platform.processor()}"
+    return hashlib.sha1(what.encode()).hexdigest()[:10]
 
 
 def available() -> bool:
