@@ -37,12 +37,12 @@ class PreparedStep:
 class StepExecutor:
     """Runs a batch through the model. Called on a worker thread, never on the event loop's."""
 
-    def __init__(self, model: torch.nn.Module, cache: CacheManager, backend: AttentionBackend,
-                 static: StaticDecoder | None = None):
+    def __init__(self, model: torch.nn.Module, cache: CacheManager, backend: AttentionBackend):
         self.model = model
         self.cache = cache
         self.backend = backend
-        self.static = static
+        # Padded decode steps, set by the engine once it has planned them (their graphs use this compute stream).
+        self.static: StaticDecoder | None = None
         self.device = next(model.parameters()).device
         # On CUDA, inputs are copied on one stream and the forward runs on another, so that the next step's
         # inputs can be written while this one runs (async batching).
