@@ -58,6 +58,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     pack_cpu_weights: bool | None = None
     """On CPU, run fp32 linear layers through oneDNN with prepacked weights (faster; keeps a packed copy of the
     weights while the engine runs). `None`: on where available."""
+    fuse_cpu_layers: bool | None = None
+    """On CPU, run Llama-like fp32 decoder layers (Llama, Mistral, Qwen2) as a dozen calls each: C++ RMSNorm,
+    rotary and SiLU, q/k/v and gate/up merged into one linear each (`kernels/cpu_layers.py`). `None`: on
+    where the weights are packed and the C++ kernels build."""
 
     def __post_init__(self) -> None:
         # msgspec checks constraints only when converting; building the Struct directly does not, so check

@@ -26,7 +26,7 @@ from jitney.core.preemption import Preempter
 from jitney.core.request import Completion, Request, RequestStatus, cut_at_stop
 from jitney.core.sequence import Collector, Sequence
 from jitney.core.stream import TokenStream
-from jitney.kernels import cpu_linear
+from jitney.kernels import cpu_layers, cpu_linear, native
 from jitney.kernels.base import ATTN_NAME
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class Engine:
         self._running = False
         self._task_group = None
         self._saved_attn = None
-        self._packed = None
+        self._cpu_paths: list = []
         self._worker: ThreadPoolExecutor | None = None  # the one thread every forward runs on
 
     @classmethod
@@ -123,19 +123,32 @@ class Engine:
     async def __aenter__(self) -> "Engine":
         self._saved_attn = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_NAME)
-        pack = self.config.pack_cpu_weights
-        if pack is None:
-            pack = next(self.model.parameters()).device.type == "cpu" and cpu_linear.available()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="jitney-forward")
         # Packed on the thread that runs the forwards: weights packed on another thread made each step of
         # SmolLM2 at batch 1 ~30% slower (55 vs 42 ms).
-        self._packed = self._worker.submit(cpu_linear.PackedLinears(self.model).__enter__).result() if pack else None
+        self._cpu_paths = self._worker.submit(self._enter_cpu_paths).result()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._running = True
         self._task_group.start_soon(self._loop)
         self.plugins.hook.jitney_engine_started(engine=self)
         return self
+
+    def _enter_cpu_paths(self) -> list:
+        """Packed linears and fused decoder layers, where configured and possible (see `EngineConfig`)."""
+        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        pack = self.config.pack_cpu_weights
+        if pack is None:
+            pack = on_cpu and cpu_linear.available()
+        fuse = self.config.fuse_cpu_layers
+        if fuse is None:
+            fuse = pack and native.available()
+        paths = []
+        if fuse:
+            paths.append(cpu_layers.FusedLayers(self.model).__enter__())
+        if pack:
+            paths.append(cpu_linear.PackedLinears(self.model, skip=paths[0].linears if fuse else frozenset()).__enter__())
+        return paths
 
     async def __aexit__(self, *exc_info) -> None:
         self._running = False
@@ -150,8 +163,8 @@ class Engine:
             self._flush_events()
             self._worker.shutdown()
             self.model.set_attn_implementation(self._saved_attn)
-            if self._packed is not None:
-                self._packed.__exit__(None, None, None)
+            for path in reversed(self._cpu_paths):
+                path.__exit__(None, None, None)
             self.plugins.hook.jitney_engine_stopped(engine=self)
 
     # -- the public API --------------------------------------------------------------------------------------
@@ -447,11 +460,8 @@ def _default_attention(param: torch.Tensor) -> str:
     the torch reference elsewhere."""
     if param.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"
-    if param.device.type == "cpu" and param.dtype == torch.float32:
-        from jitney.kernels import native
-
-        if native.available():
-            return "cpu"
+    if param.device.type == "cpu" and param.dtype == torch.float32 and native.available():
+        return "cpu"
     return "torch"
 
 

@@ -20,22 +20,20 @@ def available() -> bool:
 
 
 class PackedLinears:
-    """While entered, every fp32 CPU `nn.Linear` of `model` computes through a prepacked weight."""
+    """While entered, every fp32 CPU `nn.Linear` of `model` computes through a prepacked weight, except those in
+    `skip` (computed by someone else, e.g. `cpu_layers.FusedLayers`)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, skip: set[nn.Module] | frozenset = frozenset()):
         self.model = model
+        self.skip = skip
         self.patched: list[nn.Linear] = []
 
     def __enter__(self) -> "PackedLinears":
-        from jitney.kernels import native
-
-        small = native.load().small_linear if native.available() else None
         for module in self.model.modules():
             w = module.weight if isinstance(module, nn.Linear) else None
-            if w is None or w.dtype != torch.float32 or w.device.type != "cpu":
+            if w is None or w.dtype != torch.float32 or w.device.type != "cpu" or module in self.skip:
                 continue
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-            module.forward = _packed_forward(packed, w.detach(), module.bias, module.out_features, small)
+            module.forward = packed_linear(w.detach(), module.bias)
             self.patched.append(module)
         return self
 
@@ -49,7 +47,15 @@ SMALL_ROWS = 2
 """Up to this many rows, the C++ `small_linear` (plain weight, read once) instead of oneDNN."""
 
 
-def _packed_forward(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int, small):
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None):
+    """`x @ weight.T + bias` for fp32 CPU tensors: C++ `small_linear` up to `SMALL_ROWS` rows (where it
+    builds), oneDNN with a weight packed here above."""
+    from jitney.kernels import native
+
+    small = native.load().small_linear if native.available() else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    out_features = weight.shape[0]
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if not flat.is_contiguous():

@@ -5,6 +5,8 @@ back to torch: `available()` says which.
 - `paged_decode`: decode rows' attention read in place through the block tables (`kernels/cpu_paged.py`).
 - `small_linear`: fp32 `x @ w.T + b` for a few rows, each weight row read once for all of them
   (`kernels/cpu_linear.py`, batch-1 decode).
+- `rms_norm`, `rotary_`, `silu_mul`: a decoder layer's elementwise work in one pass each
+  (`kernels/cpu_layers.py`).
 """
 
 from __future__ import annotations
@@ -147,6 +149,100 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
   });
   return y;
 }
+
+// Rows per parallel task for elementwise kernels: enough work per task that small steps stay on one thread.
+static int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+// RMSNorm of each row of x ([T, C]): w * x / sqrt(mean(x^2) + eps). With `residual`, the row normalised is
+// x + residual, which is returned too (the decoder layer's residual stream); without, the second result is x.
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat,
+              "rms_norm: contiguous fp32 inputs");
+  const int64_t t = x.size(0), c = x.size(1);
+  auto out = torch::empty_like(x);
+  torch::Tensor sum = x;
+  const float* rp = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "rms_norm: residual shaped as x");
+    sum = torch::empty_like(x);
+    rp = residual->data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, t, row_grain(c), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * c;
+      float* sr = sp + r * c;
+      float ss = 0.f;
+      if (rp) {
+        const float* rr = rp + r * c;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < c; ++i) {
+          sr[i] = xr[i] + rr[i];
+          ss += sr[i] * sr[i];
+        }
+        xr = sr;
+      } else {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < c; ++i) ss += xr[i] * xr[i];
+      }
+      const float inv = 1.f / std::sqrt(ss / (float)c + (float)eps);
+      float* o = op + r * c;
+#pragma omp simd
+      for (int64_t i = 0; i < c; ++i) o[i] = wp[i] * (xr[i] * inv);
+    }
+  });
+  return {out, sum};
+}
+
+// Rotary position embedding, in place, on the first `heads` heads of each row of x ([T, >= heads * D]):
+// the first and second halves of each head turn by the row's angles (cos/sin [T, D], halves repeated).
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
+  TORCH_CHECK(x.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous() && x.scalar_type() == torch::kFloat &&
+              cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat, "rotary_: fp32 rows, contiguous angles");
+  const int64_t t = x.size(0), d = cos.size(1), half = d / 2, stride = x.stride(0);
+  TORCH_CHECK(cos.size(0) == t && heads * d <= x.size(1), "rotary_: one angle row per token, heads * head_dim columns");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, t, row_grain(heads * d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cp + r * d;
+      const float* s = sp + r * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* a = xp + r * stride + h * d;
+        float* b = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = a[i], x2 = b[i];
+          a[i] = x1 * c[i] - x2 * s[i];
+          b[i] = x2 * c[half + i] + x1 * s[half + i];
+        }
+      }
+    }
+  });
+}
+
+// The gated MLP's activation: [T, 2I] (gate then up) -> [T, I], silu(gate) * up.
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.is_contiguous() && gu.scalar_type() == torch::kFloat && gu.size(1) % 2 == 0, "silu_mul: contiguous fp32 [T, 2I]");
+  const int64_t t = gu.size(0), n = gu.size(1) / 2;
+  auto out = torch::empty({t, n}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, t, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gp + r * 2 * n;
+      const float* u = g + n;
+      float* o = op + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
 """
 
 _module = None
@@ -170,7 +266,7 @@ def load():
         build.mkdir(parents=True, exist_ok=True)
         try:
             _module = load_inline(
-                "jitney_cpu", cpp_sources=_SOURCE, functions=["paged_decode", "small_linear"],
+                "jitney_cpu", cpp_sources=_SOURCE, functions=["paged_decode", "small_linear", "rms_norm", "rotary_", "silu_mul"],
                 build_directory=str(build),
                 # fast-math lets the softmax's expf vectorise (glibc's vector math); only at compile time, so
                 # the library does not change the process's floating-point mode when it loads

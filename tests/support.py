@@ -51,3 +51,20 @@ def tiny_gemma2(seed: int = 0, window: int = 8):
         bos_token_id=None, eos_token_id=None, pad_token_id=0,
     )
     return Gemma2ForCausalLM(config).eval()
+
+
+def tiny_qwen2(seed: int = 0):
+    """Biases on q/k/v (Qwen2's attention)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # random init leaves the biases at zero: make them count
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model

@@ -1,0 +1,124 @@
+"""Llama-like decoder layers on CPU in a dozen calls each instead of about sixty.
+
+transformers' decoder layer runs ~15 module calls and ~45 small torch ops per layer; at batch 1 on SmolLM2
+those cost more than a third of a step. While `FusedLayers` is entered, each supported layer instead runs:
+RMSNorm (C++), one linear over q, k and v merged, rotary embedding in place (C++), the engine's attention
+backend, the output projection, residual add + RMSNorm (C++), one linear over gate and up merged, SiLU·up
+(C++), the down projection and the residual add. Linears go through `cpu_linear.packed_linear` (C++ for one
+or two rows, oneDNN prepacked above).
+
+Supported: transformers' Llama, Mistral and Qwen2 decoder layers with SiLU MLPs, fp32 on CPU; other layers
+run unchanged. Merging q/k/v and gate/up makes those weights views of one tensor each (same values, no extra
+memory), which stays so after exit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from jitney.kernels import cpu_linear, native
+from jitney.kernels.base import jitney_attention
+
+
+def _no_window(layer) -> None:
+    return None
+
+
+def _config_window(layer) -> int | None:
+    return getattr(layer.self_attn.config, "sliding_window", None)
+
+
+def _module_window(layer) -> int | None:
+    return getattr(layer.self_attn, "sliding_window", None)
+
+
+# Where each supported layer class (whose forward is replicated here) takes its attention's window from.
+WINDOW_OF = {"LlamaDecoderLayer": _no_window, "MistralDecoderLayer": _config_window, "Qwen2DecoderLayer": _module_window}
+
+
+def supported(layer: nn.Module) -> bool:
+    """Whether `layer` is a decoder layer this module runs fused."""
+    if type(layer).__name__ not in WINDOW_OF or "forward" in vars(layer):
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    weights = [m.weight for m in linears] + [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    return (
+        all(type(m) is nn.Linear for m in linears)
+        and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in weights)
+        and type(mlp.act_fn).__name__ == "SiLUActivation"
+        and hasattr(layer.input_layernorm, "variance_epsilon")
+    )
+
+
+class FusedLayers:
+    """While entered, every supported decoder layer of `model` runs fused (see the module's docstring)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.patched: list[nn.Module] = []
+        self.linears: set[nn.Linear] = set()
+        """The linear layers the fused layers compute themselves (`PackedLinears` can skip them)."""
+
+    def __enter__(self) -> "FusedLayers":
+        kernels = native.load()
+        for layer in self.model.modules():
+            if supported(layer):
+                layer.forward = _fused_forward(layer, kernels)
+                self.patched.append(layer)
+                attn, mlp = layer.self_attn, layer.mlp
+                self.linears.update([attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj])
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for layer in self.patched:
+            del layer.forward  # back to the class's forward
+        self.patched, self.linears = [], set()
+
+
+def _merge(linears: list[nn.Linear]):
+    """One packed linear over several that share an input; their weights become views of the merged one."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    biases = [m.bias for m in linears]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b.detach() if b is not None else weight.new_zeros(m.out_features) for m, b in zip(linears, biases)]
+    )
+    start = 0
+    for m in linears:
+        m.weight.data = weight[start : start + m.out_features]
+        if m.bias is not None:
+            m.bias.data = bias[start : start + m.out_features]
+        start += m.out_features
+    return cpu_linear.packed_linear(weight, bias)
+
+
+def _fused_forward(layer: nn.Module, kernels):
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up = _merge([mlp.gate_proj, mlp.up_proj])
+    o_proj = cpu_linear.packed_linear(attn.o_proj.weight.detach(), attn.o_proj.bias)
+    down = cpu_linear.packed_linear(mlp.down_proj.weight.detach(), mlp.down_proj.bias)
+    dim = attn.head_dim
+    heads, kv_heads = attn.q_proj.out_features // dim, attn.k_proj.out_features // dim
+    norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
+    window = WINDOW_OF[type(layer).__name__](layer)
+
+    def forward(hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1]).contiguous()
+        t = x.shape[0]
+        h, _ = kernels.rms_norm(x, None, norm_in.weight, norm_in.variance_epsilon)
+        y = qkv(h)  # [T, (heads + 2 kv_heads) * dim]
+        cos, sin = position_embeddings
+        kernels.rotary_(y, cos.reshape(t, dim).contiguous(), sin.reshape(t, dim).contiguous(), heads + kv_heads)
+        q = y[:, : heads * dim].view(t, heads, dim).transpose(0, 1)[None]
+        k = y[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim).transpose(0, 1)[None]
+        v = y[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim).transpose(0, 1)[None]
+        out, _ = jitney_attention(attn, q, k, v, None, scaling=attn.scaling, sliding_window=window, **kwargs)
+        h, x = kernels.rms_norm(o_proj(out.reshape(t, heads * dim)), x, norm_post.weight, norm_post.variance_epsilon)
+        x = x + down(kernels.silu_mul(gate_up(h)))
+        return x.view(shape)
+
+    return forward

@@ -1,0 +1,115 @@
+"""Fused CPU decoder layers: each C++ piece against transformers' own, and whole runs equal to `generate`."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+import torch.nn.functional as F
+from support import random_requests, reference, tiny_gemma2, tiny_mistral, tiny_qwen2
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from jitney import Engine, EngineConfig, Request, SamplingParams
+from jitney.kernels import cpu_layers, native
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if not native.available():
+        pytest.fail("the C++ CPU kernels do not build here")
+    return native.load()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 300])
+def test_rms_norm_matches_transformers_with_and_without_residual(kernels, rows):
+    norm = LlamaRMSNorm(96, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, r = torch.randn(rows, 96), torch.randn(rows, 96)
+    with torch.inference_mode():
+        out, same = kernels.rms_norm(x, None, norm.weight, 1e-5)
+        torch.testing.assert_close(out, norm(x), atol=1e-5, rtol=1e-5)
+        assert same is x
+        out, total = kernels.rms_norm(x, r, norm.weight, 1e-5)
+        torch.testing.assert_close(total, x + r)
+        torch.testing.assert_close(out, norm(x + r), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 400])
+def test_rotary_in_place_matches_transformers(kernels, rows):
+    heads, kv_heads, dim = 4, 2, 16
+    y = torch.randn(rows, (heads + 2 * kv_heads) * dim)
+    angles = torch.randn(rows, dim // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q = y[:, : heads * dim].view(1, rows, heads, dim).transpose(1, 2)
+    k = y[:, heads * dim : (heads + kv_heads) * dim].view(1, rows, kv_heads, dim).transpose(1, 2)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    v = y[:, (heads + kv_heads) * dim :].clone()
+    kernels.rotary_(y, cos, sin, heads + kv_heads)
+    torch.testing.assert_close(q, want_q, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(k, want_k, atol=1e-6, rtol=1e-5)
+    assert torch.equal(y[:, (heads + kv_heads) * dim :], v)  # values are not turned
+
+
+def test_silu_mul_matches_torch(kernels):
+    gu = torch.randn(7, 2 * 50) * 4
+    torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gu[:, :50]) * gu[:, 50:], atol=1e-6, rtol=1e-5)
+
+
+def test_kernels_refuse_what_they_do_not_handle(kernels):
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        kernels.rms_norm(torch.randn(2, 8, dtype=torch.float64), None, torch.randn(8, dtype=torch.float64), 1e-5)
+    with pytest.raises(RuntimeError, match="heads"):
+        kernels.rotary_(torch.randn(2, 16), torch.randn(2, 8), torch.randn(2, 8), 3)
+    with pytest.raises(RuntimeError, match=r"\[T, 2I\]"):
+        kernels.silu_mul(torch.randn(2, 7))
+
+
+async def _run(model, work, **config):
+    results = {}
+    config = EngineConfig(num_blocks=200, block_size=4, max_batch_tokens=24, **config)
+    async with Engine(model, config=config) as engine:
+        layer = model.model.layers[0]
+        fused = "forward" in vars(layer)
+        if fused:  # its linears are computed by the fused layer, not packed one by one as well
+            assert not any("forward" in vars(m) for m in layer.modules() if isinstance(m, torch.nn.Linear))
+
+        async def one(i, prompt, n):
+            results[i] = (await engine.generate(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)))).token_ids
+
+        async with anyio.create_task_group() as tg:
+            for i, (prompt, n) in enumerate(work):
+                tg.start_soon(one, i, prompt, n)
+    assert "forward" not in vars(model.model.layers[0])  # the class's forward again
+    return [results[i] for i in range(len(work))], fused
+
+
+@pytest.mark.parametrize("make", [None, tiny_mistral, tiny_qwen2], ids=["llama", "mistral", "qwen2"])
+async def test_fused_layers_match_generate_and_leave_the_model_as_it_was(llama, make, kernels):
+    model = llama if make is None else make()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    work = random_requests(10, 256, max_prompt=40, max_new=12, seed=3)
+    refs = [reference(model, p, n) for p, n in work]
+    got, fused = await _run(model, work, fuse_cpu_layers=True)
+    assert fused
+    assert got == refs
+    for n, p in model.named_parameters():  # merged q/k/v and gate/up: same values, now views of one tensor
+        assert torch.equal(p, before[n]), n
+    assert [reference(model, p, n) for p, n in work[:2]] == refs[:2]
+
+
+async def test_unsupported_layers_run_as_they_are(kernels):
+    model = tiny_gemma2()
+    assert not cpu_layers.supported(model.model.layers[0])
+    work = random_requests(4, 256, max_prompt=20, max_new=8, seed=5)
+    refs = [reference(model, p, n) for p, n in work]
+    got, fused = await _run(model, work, fuse_cpu_layers=True)
+    assert not fused
+    assert got == refs
+
+
+async def test_fusing_off_keeps_transformers_layers(llama):
+    work = random_requests(3, 256, max_prompt=20, max_new=6, seed=7)
+    got, fused = await _run(llama, work, fuse_cpu_layers=False)
+    assert not fused
+    assert got == [reference(llama, p, n) for p, n in work]
