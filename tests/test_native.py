@@ -31,3 +31,19 @@ def test_packed_linears_match_nn_linear_on_the_small_path_and_on_onednn():
 def test_small_linear_refuses_other_dtypes():
     with pytest.raises(RuntimeError, match="contiguous fp32"):
         native.load().small_linear(torch.randn(1, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64), None)
+
+
+def test_small_linear_from_two_threads_at_once():
+    """The kernels' own thread pool takes one caller at a time; a second one meanwhile computes alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kernel = native.load().small_linear
+    w = torch.randn(4096, 256)
+    xs = [torch.randn(2, 256) for _ in range(2)]
+    want = [F.linear(x, w) for x in xs]
+
+    def run(i):
+        return all(torch.allclose(kernel(xs[i], w, None), want[i], atol=1e-4, rtol=1e-4) for _ in range(200))
+
+    with ThreadPoolExecutor(2) as pool:
+        assert all(pool.map(run, [0, 1]))
