@@ -2,14 +2,13 @@
 
 transformers' decoder layer runs ~15 module calls and ~45 small torch ops per layer; at batch 1 on SmolLM2
 those cost more than a third of a step. While `FusedLayers` is entered, each supported layer instead runs:
-RMSNorm (C++), one linear over q, k and v merged, rotary embedding in place (C++), the engine's attention
-backend, the output projection, residual add + RMSNorm (C++), one linear over gate and up merged, SiLU·up
+RMSNorm (C++), one linear over q, k and v stacked, rotary embedding in place (C++), the engine's attention
+backend, the output projection, residual add + RMSNorm (C++), one linear over gate and up stacked, SiLU·up
 (C++), the down projection and the residual add. Linears go through `cpu_linear.packed_linear` (C++ for one
-or two rows, oneDNN prepacked above).
+or two rows reading the model's weights in place, oneDNN with a packed stacked copy above).
 
 Supported: transformers' Llama, Mistral and Qwen2 decoder layers with SiLU MLPs, fp32 on CPU; other layers
-run unchanged. Merging q/k/v and gate/up makes those weights views of one tensor each (same values, no extra
-memory), which stays so after exit.
+run unchanged.
 """
 
 from __future__ import annotations
@@ -77,28 +76,20 @@ class FusedLayers:
         self.patched, self.linears = [], set()
 
 
-def _merge(linears: list[nn.Linear]):
-    """One packed linear over several that share an input; their weights become views of the merged one."""
-    weight = torch.cat([m.weight.detach() for m in linears])
+def _stacked(linears: list[nn.Linear]):
+    """One packed linear over several that share an input (their weights stay as they are)."""
     biases = [m.bias for m in linears]
     bias = None if all(b is None for b in biases) else torch.cat(
-        [b.detach() if b is not None else weight.new_zeros(m.out_features) for m, b in zip(linears, biases)]
+        [b.detach() if b is not None else m.weight.new_zeros(m.out_features) for m, b in zip(linears, biases)]
     )
-    start = 0
-    for m in linears:
-        m.weight.data = weight[start : start + m.out_features]
-        if m.bias is not None:
-            m.bias.data = bias[start : start + m.out_features]
-        start += m.out_features
-    return cpu_linear.packed_linear(weight, bias)
+    return cpu_linear.packed_linear([m.weight.detach() for m in linears], bias)
 
 
 def _fused_forward(layer: nn.Module, kernels):
     attn, mlp = layer.self_attn, layer.mlp
-    qkv = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
-    gate_up = _merge([mlp.gate_proj, mlp.up_proj])
-    o_proj = cpu_linear.packed_linear(attn.o_proj.weight.detach(), attn.o_proj.bias)
-    down = cpu_linear.packed_linear(mlp.down_proj.weight.detach(), mlp.down_proj.bias)
+    qkv = _stacked([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up = _stacked([mlp.gate_proj, mlp.up_proj])
+    o_proj, down = _stacked([attn.o_proj]), _stacked([mlp.down_proj])
     dim = attn.head_dim
     heads, kv_heads = attn.q_proj.out_features // dim, attn.k_proj.out_features // dim
     norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm

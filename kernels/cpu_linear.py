@@ -33,7 +33,7 @@ class PackedLinears:
             w = module.weight if isinstance(module, nn.Linear) else None
             if w is None or w.dtype != torch.float32 or w.device.type != "cpu" or module in self.skip:
                 continue
-            module.forward = packed_linear(w.detach(), module.bias)
+            module.forward = packed_linear([w.detach()], module.bias)
             self.patched.append(module)
         return self
 
@@ -47,21 +47,22 @@ SMALL_ROWS = 2
 """Up to this many rows, the C++ `small_linear` (plain weight, read once) instead of oneDNN."""
 
 
-def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None):
-    """`x @ weight.T + bias` for fp32 CPU tensors: C++ `small_linear` up to `SMALL_ROWS` rows (where it
-    builds), oneDNN with a weight packed here above."""
+def packed_linear(weights: list[torch.Tensor], bias: torch.Tensor | None):
+    """`x @ W.T + bias` for fp32 CPU tensors, W the row blocks `weights` stacked (one linear over q, k and v
+    projections): C++ `small_linear` up to `SMALL_ROWS` rows (where it builds) reading the weights in place,
+    oneDNN above with a stacked copy packed here."""
     from jitney.kernels import native
 
     small = native.load().small_linear if native.available() else None
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    out_features = weight.shape[0]
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights) if len(weights) > 1 else weights[0], None)
+    out_features = sum(w.shape[0] for w in weights)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if not flat.is_contiguous():
             flat = flat.contiguous()
         if small is not None and flat.shape[0] <= SMALL_ROWS:
-            y = small(flat, weight, bias)
+            y = small(flat, weights, bias)
         else:
             y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
         return y.view(*x.shape[:-1], out_features)

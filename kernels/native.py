@@ -3,8 +3,8 @@ into ``<jitney cache>/kernels``; `jitney setup` builds them ahead). Where they c
 back to torch: `available()` says which.
 
 - `paged_decode`: decode rows' attention read in place through the block tables (`kernels/cpu_paged.py`).
-- `small_linear`: fp32 `x @ w.T + b` for a few rows, each weight row read once for all of them
-  (`kernels/cpu_linear.py`, batch-1 decode).
+- `small_linear`: fp32 `x @ w.T + b` for a few rows, each weight row read once for all of them; `w` given as
+  a list of row blocks, so stacked projections need no merged copy (`kernels/cpu_linear.py`, batch-1 decode).
 - `rms_norm`, `rotary_`, `silu_mul`: a decoder layer's elementwise work in one pass each
   (`kernels/cpu_layers.py`).
 """
@@ -219,21 +219,32 @@ void paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
   });
 }
 
-// y = x @ w.T (+ b) for a few rows of x ([M, K]), w [N, K]: threads split the output features, each weight
-// row is read once and used for every row of x.
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b) {
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat,
-              "small_linear: contiguous fp32 inputs");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+// y = x @ w.T (+ b) for a few rows of x ([M, K]), w [N, K] given as one or more row blocks (stacked: q, k and v
+// projections read as one): threads split the output features, each weight row is read once and used for
+// every row of x.
+torch::Tensor small_linear(torch::Tensor x, std::vector<torch::Tensor> ws, c10::optional<torch::Tensor> b) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat, "small_linear: contiguous fp32 inputs");
+  const int64_t m = x.size(0), k = x.size(1);
+  std::vector<const float*> rows;  // each block's data, offset back by its first output feature
+  std::vector<int64_t> ends;       // cumulative rows of the blocks
+  int64_t n = 0;
+  for (const auto& w : ws) {
+    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kFloat && w.dim() == 2 && w.size(1) == k,
+                "small_linear: contiguous fp32 inputs, weights [N, K]");
+    rows.push_back(w.data_ptr<float>() - n * k);
+    ends.push_back(n += w.size(0));
+  }
   auto y = torch::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
   torch::Tensor bias = b.has_value() ? b->contiguous() : torch::Tensor();
+  TORCH_CHECK(!bias.defined() || bias.numel() == n, "small_linear: one bias per output feature");
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   parallel(n, 64, true, [&](int64_t begin, int64_t end) {
+    size_t block = 0;
     for (int64_t j = begin; j < end; ++j) {
-      const float* wr = wp + j * k;
+      while (j >= ends[block]) ++block;
+      const float* wr = rows[block] + j * k;
       for (int64_t i = 0; i < m; ++i) {
         const float* xr = xp + i * k;
         float s = 0.f;

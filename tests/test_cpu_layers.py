@@ -93,7 +93,7 @@ async def test_fused_layers_match_generate_and_leave_the_model_as_it_was(llama, 
     got, fused = await _run(model, work, fuse_cpu_layers=True)
     assert fused
     assert got == refs
-    for n, p in model.named_parameters():  # merged q/k/v and gate/up: same values, now views of one tensor
+    for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
     assert [reference(model, p, n) for p, n in work[:2]] == refs[:2]
 

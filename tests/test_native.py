@@ -14,7 +14,7 @@ from jitney.kernels import cpu_linear, native
 def test_small_linear_matches_f_linear(rows, bias):
     w, x = torch.randn(300, 70), torch.randn(rows, 70)
     b = torch.randn(300) if bias else None
-    torch.testing.assert_close(native.load().small_linear(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(native.load().small_linear(x, [w], b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
 def test_packed_linears_match_nn_linear_on_the_small_path_and_on_onednn():
@@ -28,9 +28,16 @@ def test_packed_linears_match_nn_linear_on_the_small_path_and_on_onednn():
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_small_linear_over_stacked_weight_blocks():
+    ws, x, b = [torch.randn(100, 64), torch.randn(37, 64), torch.randn(70, 64)], torch.randn(2, 64), torch.randn(207)
+    torch.testing.assert_close(native.load().small_linear(x, ws, b), F.linear(x, torch.cat(ws), b), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="one bias per output feature"):
+        native.load().small_linear(x, ws, torch.randn(100))
+
+
 def test_small_linear_refuses_other_dtypes():
     with pytest.raises(RuntimeError, match="contiguous fp32"):
-        native.load().small_linear(torch.randn(1, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64), None)
+        native.load().small_linear(torch.randn(1, 8, dtype=torch.float64), [torch.randn(4, 8, dtype=torch.float64)], None)
 
 
 def test_small_linear_from_two_threads_at_once():
@@ -43,7 +50,7 @@ def test_small_linear_from_two_threads_at_once():
     want = [F.linear(x, w) for x in xs]
 
     def run(i):
-        return all(torch.allclose(kernel(xs[i], w, None), want[i], atol=1e-4, rtol=1e-4) for _ in range(200))
+        return all(torch.allclose(kernel(xs[i], [w], None), want[i], atol=1e-4, rtol=1e-4) for _ in range(200))
 
     with ThreadPoolExecutor(2) as pool:
         assert all(pool.map(run, [0, 1]))
