@@ -102,8 +102,8 @@ def _fused_forward(layer: nn.Module, kernels):
         t = x.shape[0]
         h, _ = kernels.rms_norm(x, None, norm_in.weight, norm_in.variance_epsilon)
         y = qkv(h)  # [T, (heads + 2 kv_heads) * dim]
-        cos, sin = position_embeddings
-        kernels.rotary_(y, cos.reshape(t, dim).contiguous(), sin.reshape(t, dim).contiguous(), heads + kv_heads)
+        cos, sin = (c if c.is_contiguous() else c.contiguous() for c in position_embeddings)  # [1, T, dim]
+        kernels.rotary_(y, cos, sin, heads + kv_heads)
         q = y[:, : heads * dim].view(t, heads, dim).transpose(0, 1)[None]
         k = y[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim).transpose(0, 1)[None]
         v = y[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim).transpose(0, 1)[None]

@@ -305,12 +305,13 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor
 }
 
 // Rotary position embedding, in place, on the first `heads` heads of each row of x ([T, >= heads * D]):
-// the first and second halves of each head turn by the row's angles (cos/sin [T, D], halves repeated).
+// the first and second halves of each head turn by the row's angles (cos/sin [..., T, D], halves repeated).
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
   TORCH_CHECK(x.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous() && x.scalar_type() == torch::kFloat &&
               cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat, "rotary_: fp32 rows, contiguous angles");
-  const int64_t t = x.size(0), d = cos.size(1), half = d / 2, stride = x.stride(0);
-  TORCH_CHECK(cos.size(0) == t && heads * d <= x.size(1), "rotary_: one angle row per token, heads * head_dim columns");
+  const int64_t t = x.size(0), d = cos.size(-1), half = d / 2, stride = x.stride(0);
+  TORCH_CHECK(cos.numel() == t * d && sin.numel() == t * d && heads * d <= x.size(1),
+              "rotary_: one angle row per token, heads * head_dim columns");
   float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();

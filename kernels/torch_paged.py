@@ -105,6 +105,8 @@ class _TorchStep:
         kc.index_copy_(0, self.write_slots[g], k_new)
         vc.index_copy_(0, self.write_slots[g], v_new)
         q = query[0]  # [H, T, D]
+        if not self.np:  # decode rows only
+            return self._decode(g, kc, vc, q, scaling, sliding_window).unsqueeze(0)
         out = torch.empty(self.T, q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
         if self.nd:
             out[: self.nd] = self._decode(g, kc, vc, q[:, : self.nd], scaling, sliding_window)
