@@ -86,6 +86,8 @@ class CpuSwapPool:
 
     def _copy(self, cache: CacheManager, cache_side: Tables, host_side: Tables, to_host: bool) -> None:
         """Move whole blocks between the cache and this pool: one index_select + index_copy per layer."""
+        if not to_host:
+            cache.zero_new_blocks()  # the blocks written here were just reserved: zero them first, not after
         for g, group in enumerate(cache.groups):
             if not cache_side[g]:
                 continue

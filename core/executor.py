@@ -62,6 +62,7 @@ class StepExecutor:
             return self._prepare(entries, ahead)
 
     def _prepare(self, entries: list[tuple[Sequence, int]], ahead: bool) -> PreparedStep:
+        self.cache.zero_new_blocks()
         # Rows with one query token (decodes) go first: the backend batches them in one call.
         order = sorted(range(len(entries)), key=lambda i: entries[i][1] != 1)
         ids: list[int] = []

@@ -50,6 +50,28 @@ def test_padding_blocks_read_as_zeros():
     assert cache.keys[0].shape[0] == (8 + 2) * 4
 
 
+def test_new_blocks_are_zeroed_together_before_use_and_a_copy_into_one_is_kept():
+    cache = make_cache()
+    for store in cache.keys + cache.values:
+        store[: cache.padding_slot] = float("nan")  # what fresh memory may hold
+    assert cache.reserve("a", 5) and cache.reserve("b", 3)
+    cache.zero_new_blocks()  # (a step's preparation calls it)
+    used = [b for r in "ab" for b in cache.block_table(r, 0)]
+    for store in cache.keys + cache.values:
+        for b in used:
+            assert torch.count_nonzero(store[b * 4 : (b + 1) * 4]) == 0
+    # a block reserved, released before any step and then copied into must keep the copy
+    cache.keys[0][: 4 * 8].fill_(1.0)  # every block "written"
+    assert cache.reserve("c", 4)
+    (c_block,) = cache.block_table("c", 0)
+    cache.release("c")
+    src = cache.block_table("a", 0)[0]
+    cache.keys[0][src * 4 : src * 4 + 4] = 2.0
+    cache._copy_block(0, src, c_block)  # what a fork does with a block it has just allocated
+    cache.zero_new_blocks()
+    assert torch.all(cache.keys[0][c_block * 4 : c_block * 4 + 4] == 2.0)
+
+
 def test_block_count_is_solved_from_available_memory(llama, monkeypatch):
     from jitney import Engine, EngineConfig
     from jitney.cache import sizing
