@@ -60,8 +60,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     weights while the engine runs). `None`: on where available."""
     fuse_cpu_layers: bool | None = None
     """On CPU, run Llama-like fp32 decoder layers (Llama, Mistral, Qwen2) as a dozen calls each: C++ RMSNorm,
-    rotary and SiLU, q/k/v and gate/up merged into one linear each (`kernels/cpu_layers.py`). `None`: on
-    where the weights are packed and the C++ kernels build."""
+    rotary and SiLU, one linear each over the q/k/v and the gate/up weights stacked (`kernels/cpu_layers.py`).
+    `None`: on where the weights are packed and the C++ kernels build."""
 
     def __post_init__(self) -> None:
         # msgspec checks constraints only when converting; building the Struct directly does not, so check

@@ -31,6 +31,7 @@ _SOURCE = r"""
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 // A thread pool of our own for the kernels of batch-1 and batch-2 decode steps. libgomp (torch's OpenMP) gives
@@ -100,8 +101,15 @@ class Pool {
 
 static std::mutex pool_busy;  // one caller at a time; another one meanwhile runs its work alone
 
-static Pool* the_pool() {  // one for every kernel, sized by torch's thread count when first used
-  static Pool* pool = new Pool(std::max(1, at::get_num_threads()));
+// One for every kernel, sized by torch's thread count when first used; a forked child (which has no workers)
+// makes its own. Called with `pool_busy` held.
+static Pool* the_pool() {
+  static Pool* pool = nullptr;
+  static pid_t owner = 0;
+  if (pool == nullptr || owner != getpid()) {
+    pool = new Pool(std::max(1, at::get_num_threads()));
+    owner = getpid();
+  }
   return pool;
 }
 
@@ -113,10 +121,10 @@ static void parallel(int64_t n, int64_t grain, bool small, const F& fn) {
     at::parallel_for(0, n, grain, fn);
     return;
   }
-  Pool* pool = the_pool();
-  const int64_t parts = std::min<int64_t>(pool->size(), (n + grain - 1) / std::max<int64_t>(grain, 1));
   std::unique_lock<std::mutex> lock(pool_busy, std::try_to_lock);
-  if (parts <= 1 || !lock.owns_lock()) {
+  Pool* pool = lock.owns_lock() ? the_pool() : nullptr;
+  const int64_t parts = pool ? std::min<int64_t>(pool->size(), (n + grain - 1) / std::max<int64_t>(grain, 1)) : 1;
+  if (parts <= 1) {
     if (n > 0) fn(0, n);
     return;
   }

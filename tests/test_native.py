@@ -54,3 +54,20 @@ def test_small_linear_from_two_threads_at_once():
 
     with ThreadPoolExecutor(2) as pool:
         assert all(pool.map(run, [0, 1]))
+
+
+def test_kernels_work_in_a_forked_child():
+    """The pool's workers do not survive a fork; the child makes a pool of its own instead of waiting on them."""
+    import multiprocessing
+
+    kernel = native.load().small_linear
+    w, x = torch.randn(512, 64), torch.randn(2, 64)
+    kernel(x, [w], None)  # the parent's pool exists now
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply_async(_small_linear_in_child, (x, w)).get(timeout=60)
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def _small_linear_in_child(x, w):
+    return native.load().small_linear(x, [w], None)
