@@ -72,7 +72,7 @@ class CacheManager:
             t[pad].zero_()
         self.padding_slot = num_blocks * block_size
         self._tables: dict[str, list[list[int]]] = {}
-        self._unzeroed: list[list[int]] = [[] for _ in self.groups]  # per group, see `zero_new_blocks`
+        self._unzeroed: list[list[int]] = [[] for _ in self.groups]  # per group, see `take_new_blocks`
         self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's completed blocks
 
     # -- the narrow view a scheduler sees ------------------------------------------------------------------
@@ -108,22 +108,33 @@ class CacheManager:
             table.extend(fresh)
         return True
 
-    def zero_new_blocks(self) -> None:
-        """Zero the blocks handed out by `reserve` since the last call, one fill per layer for all of them.
+    def take_new_blocks(self) -> list[list[int]]:
+        """The blocks handed out by `reserve` since the last call (per group), to be zeroed by `zero_blocks`
+        before anything reads or writes them. A step takes them when it is prepared and zeroes them on the
+        forward thread as its forward starts: a fill that large on the event loop's thread is parallel torch
+        work there, and it leaves that thread an OpenMP team, which slows every forward after it (see
+        `kernels/native.py`)."""
+        taken, self._unzeroed = self._unzeroed, [[] for _ in self.groups]
+        return taken
+
+    def zero_blocks(self, blocks: list[list[int]]) -> None:
+        """Zero blocks (per group, as `take_new_blocks` gives them), one fill per layer for all of them.
 
         Attention reads whole blocks, and the slots a request has not written yet must hold finite values
-        (masked, they weigh nothing; uninitialised memory may be NaN). Called before anything reads or
-        writes new blocks: a step's preparation, a block copy, a swap-in (a zeroing after those would wipe
-        what they wrote). Zeroing at each `reserve` instead cost 60 fills per request crossing a block
-        boundary: 15,000 in one step when 256 requests do it together."""
-        for g, blocks in enumerate(self._unzeroed):
-            if not blocks:
+        (masked, they weigh nothing; uninitialised memory may be NaN). Zeroing at each `reserve` instead cost
+        60 fills per request crossing a block boundary: 15,000 in one step when 256 requests do it together."""
+        for g, group_blocks in enumerate(blocks):
+            if not group_blocks:
                 continue
-            ids = torch.tensor(blocks, device=self.keys[0].device)
+            ids = torch.tensor(group_blocks, device=self.keys[0].device)
             for layer in self.groups[g].layers:
                 for store in (self.keys[layer], self.values[layer]):
                     blocks_view(store, self.block_size).index_fill_(1, ids, 0.0)
-            self._unzeroed[g] = []
+
+    def zero_new_blocks(self) -> None:
+        """Zero the blocks not taken by a step yet, at once: before a block copy or a swap-in writes into them
+        (zeroed after, what they wrote would be lost)."""
+        self.zero_blocks(self.take_new_blocks())
 
     def match_prefix(self, seq: Sequence) -> int:
         """Give a request that holds no blocks yet the cached blocks holding the start of its tokens; set and

@@ -31,6 +31,8 @@ class PreparedStep:
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
     static: StaticDecodeStep | None = None
+    new_blocks: list[list[int]] | None = None
+    """Blocks reserved for this step and not zeroed yet (per group): the forward zeroes them first."""
     """Set when the step runs as a padded static decode step (its inputs live in the step's buffers)."""
 
 
@@ -62,7 +64,11 @@ class StepExecutor:
             return self._prepare(entries, ahead)
 
     def _prepare(self, entries: list[tuple[Sequence, int]], ahead: bool) -> PreparedStep:
-        self.cache.zero_new_blocks()
+        prepared = self._build(entries, ahead)
+        prepared.new_blocks = self.cache.take_new_blocks()
+        return prepared
+
+    def _build(self, entries: list[tuple[Sequence, int]], ahead: bool) -> PreparedStep:
         # Rows with one query token (decodes) go first: the backend batches them in one call.
         order = sorted(range(len(entries)), key=lambda i: entries[i][1] != 1)
         ids: list[int] = []
@@ -121,6 +127,12 @@ class StepExecutor:
             else:
                 prepared.input_ids[0].copy_(ids)
 
+    def zero_new_blocks(self, prepared: PreparedStep) -> None:
+        """Zero the step's new blocks (on the forward thread, before the forward reads or writes them)."""
+        if prepared.new_blocks:
+            self.cache.zero_blocks(prepared.new_blocks)
+            prepared.new_blocks = None
+
     def forward(self, prepared: PreparedStep) -> list[list[int] | None]:
         """Run the model; return, per entry, its sampled tokens (one per sample) or None (prompt not done)."""
         t0 = time.perf_counter()
@@ -130,6 +142,7 @@ class StepExecutor:
             stream.wait_stream(self.copy_stream)
             stream.wait_stream(torch.cuda.default_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else nullcontext():
+            self.zero_new_blocks(p)
             if p.static is not None:
                 logits = self.static.forward(p.static)
             else:

@@ -53,7 +53,7 @@ def test_paged_attention_matches_dense(backend, block_size, heads, kv_heads, win
     full_v = [torch.randn(kv_heads, c + n, dim) for c, n in shapes]
     for i, (c, n) in enumerate(shapes):
         assert cache.reserve(str(i), c + n)
-        cache.zero_new_blocks()  # as a step's preparation does before anything writes them
+        cache.zero_new_blocks()  # as a step's forward does before anything writes them
         if c:  # earlier steps wrote the cached part
             slots = torch.tensor([cache.block_table(str(i), 0)[p // block_size] * block_size + p % block_size for p in range(c)])
             cache.keys[0][slots] = full_k[i][:, :c].transpose(0, 1)

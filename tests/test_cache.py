@@ -55,7 +55,7 @@ def test_new_blocks_are_zeroed_together_before_use_and_a_copy_into_one_is_kept()
     for store in cache.keys + cache.values:
         store[: cache.padding_slot] = float("nan")  # what fresh memory may hold
     assert cache.reserve("a", 5) and cache.reserve("b", 3)
-    cache.zero_new_blocks()  # (a step's preparation calls it)
+    cache.zero_new_blocks()  # (a step takes them when prepared and zeroes them as its forward starts)
     used = [b for r in "ab" for b in cache.block_table(r, 0)]
     for store in cache.keys + cache.values:
         for b in used:
