@@ -150,6 +150,14 @@ class Engine:
             paths.append(cpu_linear.PackedLinears(self.model, skip=paths[0].linears if fuse else frozenset()).__enter__())
         return paths
 
+    def on_forward_thread(self, fn):
+        """Run `fn` (torch work on the cache: swap copies) on the forward thread and wait for it. Parallel torch
+        work on the event loop's thread would leave that thread an OpenMP team, and every forward after it
+        would run slower (see `kernels/native.py`)."""
+        if self._worker is None:
+            return fn()
+        return self._worker.submit(fn).result()
+
     async def __aexit__(self, *exc_info) -> None:
         self._running = False
         for request_id in list(self.requests):

@@ -59,7 +59,7 @@ class Preempter:
                 store[seq.request_id] = [cache.block_table(seq.request_id, g) for g in range(len(cache.groups))]
                 room -= held
         if store:
-            self.backend.store(cache, store)
+            self.engine.on_forward_thread(lambda: self.backend.store(cache, store))
         now = time.perf_counter()
         for seq in victims:
             self.total += 1
@@ -85,7 +85,8 @@ class Preempter:
                 return
             self.offloaded.pop(0)
             del self._stored[seq.request_id]
-            self.backend.load(cache, seq.request_id, [cache.block_table(seq.request_id, g) for g in range(len(cache.groups))])
+            tables = [cache.block_table(seq.request_id, g) for g in range(len(cache.groups))]
+            self.engine.on_forward_thread(lambda: self.backend.load(cache, seq.request_id, tables))
             bisect.insort(self.engine.active, seq, key=_by_arrival)
             self.engine.events.append(ev.RequestResumed(t=time.perf_counter(), request_id=seq.request_id, blocks=blocks))
 
