@@ -31,9 +31,9 @@ class PreparedStep:
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
     static: StaticDecodeStep | None = None
+    """Set when the step runs as a padded static decode step (its inputs live in the step's buffers)."""
     new_blocks: list[list[int]] | None = None
     """Blocks reserved for this step and not zeroed yet (per group): the forward zeroes them first."""
-    """Set when the step runs as a padded static decode step (its inputs live in the step's buffers)."""
 
 
 class StepExecutor:
