@@ -65,6 +65,31 @@ async def test_tokens_are_unchanged_under_memory_pressure(llama, space, path):
     assert sum(s.preemptions for s in steps) == len(rec.kinds.get("RequestOffloaded", [])) + len(rec.kinds.get("RequestSoftReset", []))
 
 
+async def test_cache_fills_and_swap_copies_run_on_the_forward_thread(llama, monkeypatch):
+    """Parallel torch work on the event loop's thread leaves it an OpenMP team, which slows every forward
+    after it (`kernels/native.py`): the engine's own torch work on the cache stays on the forward thread."""
+    import threading
+
+    from jitney.cache.manager import CacheManager
+    from jitney.cache.offload import CpuSwapPool
+
+    threads = []
+    for cls, name in ((CacheManager, "zero_blocks"), (CpuSwapPool, "_copy")):
+        original = getattr(cls, name)
+
+        def recorded(*args, _original=original, _name=name, **kwargs):
+            threads.append((_name, threading.current_thread().name))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(cls, name, recorded)
+    rec = Recorder()
+    async with Engine(llama, config=EngineConfig(cpu_offload_space=0.01, **TIGHT), plugins=[rec]) as engine:
+        await run_all(engine, [greedy(p, n) for p, n in WORK])
+    assert rec.kinds.get("RequestOffloaded") and rec.kinds.get("RequestResumed")
+    assert {name for name, _ in threads} == {"zero_blocks", "_copy"}
+    assert all(thread.startswith("jitney-forward") for _, thread in threads), set(threads)
+
+
 def decoding(engine: Engine, prompt_len: int, arrival: int) -> Sequence:
     """An active request in the middle of decoding, holding exactly the blocks of its tokens so far."""
     seq = Sequence(greedy([5] * prompt_len, 50), [5] * prompt_len, frozenset(), arrival)
