@@ -28,6 +28,7 @@ from jitney.core.sequence import Collector, Sequence
 from jitney.core.stream import TokenStream
 from jitney.kernels import cpu_layers, cpu_linear, native
 from jitney.kernels.base import ATTN_NAME
+from jitney.kernels.cpu_paged import CpuPagedAttention
 
 if TYPE_CHECKING:
     from jitney.schedulers.base import Batch
@@ -127,6 +128,9 @@ class Engine:
         # Packed on the thread that runs the forwards: weights packed on another thread made each step of
         # SmolLM2 at batch 1 ~30% slower (55 vs 42 ms).
         self._cpu_paths = self._worker.submit(self._enter_cpu_paths).result()
+        fused = next((p for p in self._cpu_paths if isinstance(p, cpu_layers.FusedLayers)), None)
+        if fused is not None and type(self.executor.backend) is CpuPagedAttention:  # the kernel the decoder runs
+            self.executor.decoder = fused.decoder
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._running = True
@@ -171,6 +175,7 @@ class Engine:
             self._flush_events()
             self._worker.shutdown()
             self.model.set_attn_implementation(self._saved_attn)
+            self.executor.decoder = None
             for path in reversed(self._cpu_paths):
                 path.__exit__(None, None, None)
             self.plugins.hook.jitney_engine_stopped(engine=self)

@@ -45,6 +45,9 @@ class StepExecutor:
         self.backend = backend
         # Padded decode steps, set by the engine once it has planned them (their graphs use this compute stream).
         self.static: StaticDecoder | None = None
+        # Every decoder layer in one call for decode steps of a few rows (`cpu_layers.FusedDecoder`), set by the
+        # engine while the model's layers are fused and the attention backend is the one it computes.
+        self.decoder = None
         self.device = next(model.parameters()).device
         # On CUDA, inputs are copied on one stream and the forward runs on another, so that the next step's
         # inputs can be written while this one runs (async batching).
@@ -143,8 +146,12 @@ class StepExecutor:
             stream.wait_stream(torch.cuda.default_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else nullcontext():
             self.zero_new_blocks(p)
+            argmax = None
             if p.static is not None:
                 logits = self.static.forward(p.static)
+            elif self.decoder is not None and p.step.num_decodes == len(p.step.query_lens) <= self.decoder.MAX_ROWS:
+                logits = self.decoder(p.input_ids, p.positions, p.step)
+                argmax = self.decoder.argmax
             else:
                 logits = self.model(
                     input_ids=p.input_ids, position_ids=p.positions[None], use_cache=False, logits_to_keep=p.keep,
@@ -154,7 +161,7 @@ class StepExecutor:
             if p.sampled_entries:
                 if len(p.params) > len(p.sampled_entries):  # forking rows draw several tokens from one row
                     logits = logits.repeat_interleave(torch.tensor(p.samples_per_entry, device=logits.device), dim=0)
-                tokens = sample(logits, p.params, p.generators)
+                tokens = sample(logits, p.params, p.generators, argmax)
                 start = 0
                 for i, count in zip(p.sampled_entries, p.samples_per_entry):
                     result[i] = tokens[start : start + count]

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from jitney.core.request import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `logits` ([N, vocab]): argmax for greedy rows, a seeded draw for the others."""
-    tokens = logits.argmax(dim=-1).tolist()
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           argmax: Callable[[torch.Tensor], list[int]] | None = None) -> list[int]:
+    """One token per row of `logits` ([N, vocab]): argmax for greedy rows (by `argmax` when given), a seeded
+    draw for the others."""
+    tokens = argmax(logits) if argmax is not None else logits.argmax(dim=-1).tolist()
     for i, (p, gen) in enumerate(zip(params, generators)):
         if not p.greedy:
             tokens[i] = _draw(logits[i].float(), p, gen)

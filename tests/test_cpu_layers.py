@@ -113,3 +113,36 @@ async def test_fusing_off_keeps_transformers_layers(llama):
     got, fused = await _run(llama, work, fuse_cpu_layers=False)
     assert not fused
     assert got == [reference(llama, p, n) for p, n in work]
+
+
+@pytest.mark.parametrize("make", [None, tiny_mistral, tiny_qwen2], ids=["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("streams", [1, 2])
+async def test_small_decode_steps_run_every_layer_in_one_call_and_match_generate(llama, make, streams, kernels, monkeypatch):
+    model = llama if make is None else make()
+    calls = []
+    real = cpu_layers.FusedDecoder.__call__
+    monkeypatch.setattr(cpu_layers.FusedDecoder, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    work = random_requests(streams, 256, max_prompt=30, max_new=40, seed=11)
+    work = [(p, 30 + n) for p, n in work]  # long enough for the mistral window (8) to slide
+    refs = [reference(model, p, n) for p, n in work]
+    got, fused = await _run(model, work, fuse_cpu_layers=True)
+    assert fused
+    assert got == refs
+    assert len(calls) >= 30  # the decode steps went through it
+
+
+async def test_decoder_is_not_used_with_another_attention_backend(llama, kernels, monkeypatch):
+    calls = []
+    real = cpu_layers.FusedDecoder.__call__
+    monkeypatch.setattr(cpu_layers.FusedDecoder, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    work = random_requests(1, 256, max_prompt=10, max_new=10, seed=13)
+    got, fused = await _run(llama, work, fuse_cpu_layers=True, attention_backend="torch")
+    assert fused and not calls  # the layers still run fused, through the chosen backend
+    assert got == [reference(llama, p, n) for p, n in work]
+
+
+def test_argmax_rows_matches_torch_with_ties_and_nan(kernels):
+    x = torch.randn(2, 5000)
+    x[0, 10] = x[0, 20] = 1e9  # a tie: the first one
+    x[1, 30] = x[1, 40] = float("nan")  # NaN above all, the first one
+    assert kernels.argmax_rows(x) == x.argmax(-1).tolist() == [10, 30]

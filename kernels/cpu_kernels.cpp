@@ -1,0 +1,516 @@
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+// A thread pool of our own for the kernels of batch-1 and batch-2 decode steps. libgomp (torch's OpenMP) gives
+// every thread that opens parallel regions a team of its own, and once the process holds more OpenMP threads
+// than CPUs (the engine's forward thread's team plus the one any parallel torch op on the main thread leaves
+// behind) idle team threads sleep at once instead of spinning: every short parallel region then waits for a
+// wake-up, and a batch-1 step of SmolLM2 took ~34 instead of ~23 ms. These workers spin for a short while
+// after each task before they sleep. Larger steps stay on OpenMP: their linears run on oneDNN's OpenMP
+// threads, and two sets of spinning threads on the same cores slow each other (a 64-row step ran ~15% slower
+// with every kernel on this pool).
+static inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+class Pool {
+ public:
+  explicit Pool(int size) : size_(size) {
+    for (int i = 1; i < size; ++i) std::thread([this, i] { work(i); }).detach();  // live as long as the process
+  }
+  int size() const { return size_; }
+  // fn(i) for every i in [0, parts), parts <= size(); the calling thread runs part 0.
+  void run(int parts, const std::function<void(int)>& fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn_ = &fn;
+      parts_ = parts;
+      pending_.store(parts - 1, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    fn(0);
+    while (pending_.load(std::memory_order_acquire) > 0) cpu_relax();
+  }
+
+ private:
+  void work(int i) {
+    long seen = 0;
+    for (;;) {
+      const auto idle_since = std::chrono::steady_clock::now();
+      for (unsigned spins = 1; generation_.load(std::memory_order_acquire) == seen; ++spins) {
+        if (spins % 256 == 0 && std::chrono::steady_clock::now() - idle_since > std::chrono::microseconds(200)) {
+          std::unique_lock<std::mutex> lock(mu_);
+          wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+          break;
+        }
+        cpu_relax();
+      }
+      seen = generation_.load(std::memory_order_acquire);
+      if (i < parts_) {
+        (*fn_)(i);
+        pending_.fetch_sub(1, std::memory_order_release);
+      }
+    }
+  }
+  const int size_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::atomic<long> generation_{0};
+  std::atomic<int> pending_{0};
+  const std::function<void(int)>* fn_ = nullptr;
+  int parts_ = 0;
+};
+
+static std::mutex pool_busy;  // one caller at a time; another one meanwhile runs its work alone
+
+// One for every kernel, sized by torch's thread count when first used; a forked child (which has no workers)
+// makes its own. Called with `pool_busy` held.
+static Pool* the_pool() {
+  static Pool* pool = nullptr;
+  static pid_t owner = 0;
+  if (pool == nullptr || owner != getpid()) {
+    pool = new Pool(std::max(1, at::get_num_threads()));
+    owner = getpid();
+  }
+  return pool;
+}
+
+// fn(begin, end) over [0, n) split in parts of at least `grain` each: on the pool above for a batch-1 or -2
+// step's kernels (`small`), else on torch's threads (at::parallel_for).
+template <typename F>
+static void parallel(int64_t n, int64_t grain, bool small, const F& fn) {
+  if (!small) {
+    at::parallel_for(0, n, grain, fn);
+    return;
+  }
+  std::unique_lock<std::mutex> lock(pool_busy, std::try_to_lock);
+  Pool* pool = lock.owns_lock() ? the_pool() : nullptr;
+  const int64_t parts = pool ? std::min<int64_t>(pool->size(), (n + grain - 1) / std::max<int64_t>(grain, 1)) : 1;
+  if (parts <= 1) {
+    if (n > 0) fn(0, n);
+    return;
+  }
+  pool->run((int)parts, [&](int p) { fn(n * p / parts, n * (p + 1) / parts); });
+}
+
+// Attention of decode rows over the paged, head-major cache ([kv_heads, slots, dim] for keys and values).
+// One task per (row, KV head): its `group` query heads attend over positions [first, ctx) of the row's
+// context, read through its block table. Row r's queries start at q + r * q_stride, heads one after another;
+// the output is [rows, heads, dim].
+static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, int64_t heads, int64_t dim,
+                             const float* kp, const float* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
+                             int64_t width, const int64_t* cp, float* op, double scale, int64_t window,
+                             int64_t block_size) {
+  const int64_t group = heads / kv_heads;
+  parallel(rows * kv_heads, 1, rows <= 2, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(group * dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads;
+      const int64_t len = std::min(cp[r], width * block_size);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      scores.assign(group * n, 0.f);
+      const float* q0 = qp + r * q_stride + h * group * dim;
+      const float* kh = kp + h * slots * dim;
+      const float* vh = vp + h * slots * dim;
+      auto key = [&](int64_t i) {
+        const int64_t pos = first + i;
+        return kh + (tp[r * width + pos / block_size] * block_size + pos % block_size) * dim;
+      };
+      // Scores four positions at a time: four independent sums per query head keep the FMA units busy
+      // (one dot product at a time waits on its own additions).
+      int64_t i = 0;
+      for (; i + 4 <= n; i += 4) {
+        const float *k0 = key(i), *k1 = key(i + 1), *k2 = key(i + 2), *k3 = key(i + 3);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q0 + g * dim;
+          float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+          for (int64_t d = 0; d < dim; ++d) {
+            const float x = qg[d];
+            s0 += x * k0[d];
+            s1 += x * k1[d];
+            s2 += x * k2[d];
+            s3 += x * k3[d];
+          }
+          float* sg = scores.data() + g * n + i;
+          sg[0] = s0 * (float)scale;
+          sg[1] = s1 * (float)scale;
+          sg[2] = s2 * (float)scale;
+          sg[3] = s3 * (float)scale;
+        }
+      }
+      for (; i < n; ++i) {
+        const float* kr = key(i);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q0 + g * dim;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < dim; ++d) s += qg[d] * kr[d];
+          scores[g * n + i] = s * (float)scale;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::vector<float> total(group, 0.f);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * n;
+        const float m = *std::max_element(sg, sg + n);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+          sg[i] = expf(sg[i] - m);
+          sum += sg[i];
+        }
+        total[g] = sum;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t pos = first + i;
+        const float* vr = vh + (tp[r * width + pos / block_size] * block_size + pos % block_size) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * n + i];
+          float* ag = acc.data() + g * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) ag[d] += p * vr[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = op + (r * heads + h * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = acc[g * dim + d] / total[g];
+      }
+    }
+  });
+}
+
+void paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables, torch::Tensor ctx,
+                  torch::Tensor out, double scale, int64_t window, int64_t block_size) {
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && tables.is_contiguous() && ctx.is_contiguous(),
+              "paged_decode: contiguous inputs, head-major cache");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong,
+              "paged_decode: fp32 queries and cache, int64 tables and lengths");
+  const int64_t heads = q.size(1), dim = q.size(2);
+  decode_attention(q.data_ptr<float>(), heads * dim, q.size(0), heads, dim, k.data_ptr<float>(), v.data_ptr<float>(),
+                   k.size(0), k.size(1), tables.data_ptr<int64_t>(), tables.size(1), ctx.data_ptr<int64_t>(),
+                   out.data_ptr<float>(), scale, window, block_size);
+}
+
+// A linear layer's weight [N, K] as one or more row blocks (stacked: q, k and v projections read as one), and
+// its bias (or none). Holds raw pointers: the tensors must outlive it.
+struct RowBlocks {
+  std::vector<const float*> rows;  // each block's data, offset back by its first output feature
+  std::vector<int64_t> ends;       // cumulative rows of the blocks
+  const float* bias = nullptr;
+  int64_t n = 0, k = 0;
+};
+
+static RowBlocks row_blocks(const std::vector<torch::Tensor>& ws, const torch::Tensor& bias, int64_t k) {
+  RowBlocks w;
+  w.k = k;
+  for (const auto& block : ws) {
+    TORCH_CHECK(block.is_contiguous() && block.scalar_type() == torch::kFloat && block.dim() == 2 && block.size(1) == k,
+                "small_linear: contiguous fp32 inputs, weights [N, K]");
+    w.rows.push_back(block.data_ptr<float>() - w.n * k);
+    w.ends.push_back(w.n += block.size(0));
+  }
+  if (bias.defined() && bias.numel() > 0) {
+    TORCH_CHECK(bias.is_contiguous() && bias.numel() == w.n, "small_linear: one bias per output feature");
+    w.bias = bias.data_ptr<float>();
+  }
+  return w;
+}
+
+// y = x @ w.T (+ b) for a few rows of x ([M, K], y [M, N]): threads split the output features, each weight row
+// is read once and used for every row of x.
+static void linear_rows(const RowBlocks& w, const float* xp, int64_t m, float* yp) {
+  const int64_t n = w.n, k = w.k;
+  parallel(n, 64, true, [&](int64_t begin, int64_t end) {
+    size_t block = 0;
+    for (int64_t j = begin; j < end; ++j) {
+      while (j >= w.ends[block]) ++block;
+      const float* wr = w.rows[block] + j * k;
+      for (int64_t i = 0; i < m; ++i) {
+        const float* xr = xp + i * k;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t c = 0; c < k; ++c) s += xr[c] * wr[c];
+        yp[i * n + j] = w.bias ? s + w.bias[j] : s;
+      }
+    }
+  });
+}
+
+torch::Tensor small_linear(torch::Tensor x, std::vector<torch::Tensor> ws, c10::optional<torch::Tensor> b) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat, "small_linear: contiguous fp32 inputs");
+  torch::Tensor bias = b.has_value() ? b->contiguous() : torch::Tensor();
+  const RowBlocks w = row_blocks(ws, bias, x.size(1));
+  auto y = torch::empty({x.size(0), w.n}, x.options());
+  linear_rows(w, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+  return y;
+}
+
+// Rows per parallel task for elementwise kernels: enough work per task that small steps stay on one thread.
+static int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+// RMSNorm of t rows of width c: out = w * s / sqrt(mean(s^2) + eps), s = x (+ residual, then also written to sum).
+static void rms_rows(const float* xp, const float* rp, const float* wp, double eps, int64_t t, int64_t c, float* op,
+                     float* sp) {
+  parallel(t, row_grain(c), false, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * c;
+      float ss = 0.f;
+      if (rp) {
+        float* sr = sp + r * c;
+        const float* rr = rp + r * c;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < c; ++i) {
+          sr[i] = xr[i] + rr[i];
+          ss += sr[i] * sr[i];
+        }
+        xr = sr;
+      } else {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < c; ++i) ss += xr[i] * xr[i];
+      }
+      const float inv = 1.f / std::sqrt(ss / (float)c + (float)eps);
+      float* o = op + r * c;
+#pragma omp simd
+      for (int64_t i = 0; i < c; ++i) o[i] = wp[i] * (xr[i] * inv);
+    }
+  });
+}
+
+// RMSNorm of each row of x ([T, C]). With `residual`, the row normalised is x + residual, which is returned too
+// (the decoder layer's residual stream); without, the second result is x.
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat,
+              "rms_norm: contiguous fp32 inputs");
+  auto out = torch::empty_like(x);
+  torch::Tensor sum = x;
+  const float* rp = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "rms_norm: residual shaped as x");
+    sum = torch::empty_like(x);
+    rp = residual->data_ptr<float>();
+  }
+  rms_rows(x.data_ptr<float>(), rp, w.data_ptr<float>(), eps, x.size(0), x.size(1), out.data_ptr<float>(),
+           sum.data_ptr<float>());
+  return {out, sum};
+}
+
+// Rotary embedding in place on the first `heads` heads (of d each) of t rows, `stride` floats apart: the first
+// and second halves of each head turn by the row's angles (cos/sin [t, d], halves repeated).
+static void rotary_rows(float* xp, int64_t t, int64_t stride, const float* cp, const float* sp, int64_t d, int64_t heads) {
+  const int64_t half = d / 2;
+  parallel(t, row_grain(heads * d), false, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cp + r * d;
+      const float* s = sp + r * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* a = xp + r * stride + h * d;
+        float* b = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = a[i], x2 = b[i];
+          a[i] = x1 * c[i] - x2 * s[i];
+          b[i] = x2 * c[half + i] + x1 * s[half + i];
+        }
+      }
+    }
+  });
+}
+
+// Rotary position embedding, in place, on the first `heads` heads of each row of x ([T, >= heads * D]).
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
+  TORCH_CHECK(x.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous() && x.scalar_type() == torch::kFloat &&
+              cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat, "rotary_: fp32 rows, contiguous angles");
+  const int64_t t = x.size(0), d = cos.size(-1);
+  TORCH_CHECK(cos.numel() == t * d && sin.numel() == t * d && heads * d <= x.size(1),
+              "rotary_: one angle row per token, heads * head_dim columns");
+  rotary_rows(x.data_ptr<float>(), t, x.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), d, heads);
+}
+
+// The gated MLP's activation on t rows: [2n] (gate then up) -> [n], silu(gate) * up.
+static void silu_rows(const float* gp, int64_t t, int64_t n, float* op) {
+  parallel(t, row_grain(n), false, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gp + r * 2 * n;
+      const float* u = g + n;
+      float* o = op + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.is_contiguous() && gu.scalar_type() == torch::kFloat && gu.size(1) % 2 == 0, "silu_mul: contiguous fp32 [T, 2I]");
+  const int64_t t = gu.size(0), n = gu.size(1) / 2;
+  auto out = torch::empty({t, n}, gu.options());
+  silu_rows(gu.data_ptr<float>(), t, n, out.data_ptr<float>());
+  return out;
+}
+
+// The index of each row's largest value ([M, N] fp32 -> M ints), the first one on ties and NaN above all, like
+// torch.argmax; one thread per row on the pool. torch's own argmax of a large row is an OpenMP-parallel
+// reduction, and its team's threads then spin on the second core while the pool's worker needs it: the next
+// batch-1 step's layers ran ~3 ms slower after it.
+std::vector<int64_t> argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat, "argmax_rows: fp32 rows");
+  const int64_t m = x.size(0), n = x.size(1), stride = x.stride(0);
+  const float* xp = x.data_ptr<float>();
+  std::vector<int64_t> out(m, 0);
+  parallel(m, 1, true, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * stride;
+      int64_t best = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, row + i, 4);
+        if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN (bits, not isnan: the file is built with fast-math)
+          best = i;
+          break;
+        }
+        if (row[i] > row[best]) best = i;
+      }
+      out[r] = best;
+    }
+  });
+  return out;
+}
+
+// Every decoder layer of a fused model for a decode step of a few rows, in one call: the same kernels in the
+// same order as `kernels/cpu_layers.py`'s fused layer forward and the CPU attention backend, so the same
+// numbers, without the ~4 ms of Python a batch-1 step of SmolLM2 spent between them.
+class FusedDecoder {
+ public:
+  // Per layer: {input norm, q, k, v, q/k/v bias, o, o bias, post-attention norm, gate, up, gate/up bias, down,
+  // down bias} (an empty tensor: no bias), its two norms' epsilons and its window (0: none).
+  FusedDecoder(std::vector<std::vector<torch::Tensor>> layers, std::vector<double> eps, std::vector<int64_t> windows,
+               int64_t heads, int64_t kv_heads, int64_t dim, double scaling)
+      : tensors_(std::move(layers)), eps_(std::move(eps)), windows_(std::move(windows)), heads_(heads),
+        kv_heads_(kv_heads), dim_(dim), scaling_(scaling) {
+    TORCH_CHECK(eps_.size() == 2 * tensors_.size() && windows_.size() == tensors_.size(), "FusedDecoder: per-layer settings");
+    for (const auto& t : tensors_) {
+      TORCH_CHECK(t.size() == 13, "FusedDecoder: 13 tensors per layer");
+      const int64_t c = t[0].numel();
+      Layer l;
+      l.norm_in = t[0].data_ptr<float>();
+      l.norm_post = t[7].data_ptr<float>();
+      l.qkv = row_blocks({t[1], t[2], t[3]}, t[4], c);
+      l.o = row_blocks({t[5]}, t[6], heads * dim);
+      l.gate_up = row_blocks({t[8], t[9]}, t[10], c);
+      l.down = row_blocks({t[11]}, t[12], t[11].size(1));
+      TORCH_CHECK(l.qkv.n == (heads + 2 * kv_heads) * dim && l.o.n == c && l.down.n == c && l.gate_up.n == 2 * l.down.k,
+                  "FusedDecoder: projection shapes");
+      layers_.push_back(l);
+    }
+  }
+
+  // x [M, C] the token embeddings, cos/sin [M, D] their rotary angles; keys/values per layer the cache's
+  // [slots, kv_heads, D] views of head-major storage; tables per layer group [M, W] int64; ctx [M] each
+  // row's context length including its new token (written at position ctx - 1). Returns the last layer's output.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
+                        std::vector<torch::Tensor> values, std::vector<torch::Tensor> tables,
+                        std::vector<int64_t> group_of_layer, torch::Tensor ctx, int64_t block_size) {
+    const int64_t m = x.size(0), c = x.size(1), d = dim_, h = heads_, kvh = kv_heads_;
+    const size_t num_layers = layers_.size();
+    TORCH_CHECK(x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && ctx.is_contiguous() &&
+                x.scalar_type() == torch::kFloat && ctx.scalar_type() == torch::kLong && cos.numel() == m * d &&
+                sin.numel() == m * d, "FusedDecoder.forward: contiguous fp32 rows and angles, int64 lengths");
+    TORCH_CHECK(keys.size() == num_layers && values.size() == num_layers && group_of_layer.size() == num_layers,
+                "FusedDecoder.forward: one cache tensor per layer");
+    for (const auto& t : tables)
+      TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kLong && t.size(0) == m, "FusedDecoder.forward: int64 tables");
+    const int64_t* cp = ctx.data_ptr<int64_t>();
+    // each row's write slot, per group
+    std::vector<std::vector<int64_t>> slots(tables.size(), std::vector<int64_t>(m));
+    for (size_t g = 0; g < tables.size(); ++g) {
+      const int64_t* tp = tables[g].data_ptr<int64_t>();
+      const int64_t width = tables[g].size(1);
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t pos = cp[r] - 1;
+        TORCH_CHECK(pos >= 0 && pos / block_size < width, "FusedDecoder.forward: context beyond the block table");
+        slots[g][r] = tp[r * width + pos / block_size] * block_size + pos % block_size;
+      }
+    }
+    const int64_t qkv_width = (h + 2 * kvh) * d, inter = layers_.empty() ? 0 : layers_[0].down.k;
+    auto out = x.clone();
+    float* xp = out.data_ptr<float>();
+    std::vector<float> hn(m * c), y(m * qkv_width), attn(m * h * d), o(m * c), sum(m * c), gu(m * 2 * inter),
+        act(m * inter), down(m * c);
+    for (size_t i = 0; i < num_layers; ++i) {
+      const Layer& l = layers_[i];
+      torch::Tensor& kc = keys[i];
+      torch::Tensor& vc = values[i];
+      TORCH_CHECK(kc.scalar_type() == torch::kFloat && kc.dim() == 3 && kc.size(1) == kvh && kc.size(2) == d &&
+                  kc.stride(2) == 1 && kc.stride(0) == d && kc.stride(1) == kc.size(0) * d && vc.strides() == kc.strides() &&
+                  vc.sizes() == kc.sizes(), "FusedDecoder.forward: head-major fp32 cache");
+      const int64_t slots_per_head = kc.size(0), g = group_of_layer[i];
+      float* kp = kc.data_ptr<float>();
+      float* vp = vc.data_ptr<float>();
+      rms_rows(xp, nullptr, l.norm_in, eps_[2 * i], m, c, hn.data(), nullptr);
+      linear_rows(l.qkv, hn.data(), m, y.data());
+      rotary_rows(y.data(), m, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), d, h + kvh);
+      for (int64_t r = 0; r < m; ++r) {  // this step's keys and values into the cache
+        const float* kr = y.data() + r * qkv_width + h * d;
+        const float* vr = kr + kvh * d;
+        for (int64_t j = 0; j < kvh; ++j) {
+          std::copy(kr + j * d, kr + (j + 1) * d, kp + (j * slots_per_head + slots[g][r]) * d);
+          std::copy(vr + j * d, vr + (j + 1) * d, vp + (j * slots_per_head + slots[g][r]) * d);
+        }
+      }
+      decode_attention(y.data(), qkv_width, m, h, d, kp, vp, kvh, slots_per_head, tables[g].data_ptr<int64_t>(),
+                       tables[g].size(1), cp, attn.data(), scaling_, windows_[i], block_size);
+      linear_rows(l.o, attn.data(), m, o.data());
+      rms_rows(o.data(), xp, l.norm_post, eps_[2 * i + 1], m, c, hn.data(), sum.data());
+      linear_rows(l.gate_up, hn.data(), m, gu.data());
+      silu_rows(gu.data(), m, inter, act.data());
+      linear_rows(l.down, act.data(), m, down.data());
+      for (int64_t j = 0; j < m * c; ++j) xp[j] = sum[j] + down[j];
+    }
+    return out;
+  }
+
+ private:
+  struct Layer {
+    const float* norm_in;
+    const float* norm_post;
+    RowBlocks qkv, o, gate_up, down;
+  };
+  std::vector<std::vector<torch::Tensor>> tensors_;  // keeps the weights the raw pointers read alive
+  std::vector<Layer> layers_;
+  std::vector<double> eps_;
+  std::vector<int64_t> windows_;
+  int64_t heads_, kv_heads_, dim_;
+  double scaling_;
+};
+
+// The kernels run without the GIL, so the engine's event loop goes on while a forward computes.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode", &paged_decode, nogil);
+  m.def("small_linear", &small_linear, nogil);
+  m.def("rms_norm", &rms_norm, nogil);
+  m.def("rotary_", &rotary_, nogil);
+  m.def("silu_mul", &silu_mul, nogil);
+  m.def("argmax_rows", &argmax_rows, nogil);
+  py::class_<FusedDecoder>(m, "FusedDecoder")
+      .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<double>, std::vector<int64_t>, int64_t, int64_t,
+                    int64_t, double>())
+      .def("forward", &FusedDecoder::forward, nogil);
+}
