@@ -34,6 +34,39 @@ class StepTimes:
         self.steps += [e for e in events if isinstance(e, StepCompleted)]
 
 
+PHASES = ("schedule", "prepare", "apply", "wake", "publish")
+"""The engine's own work in a step: the scheduler with its cache reservations; building the step's input
+tensors; taking the sampled tokens in (cache bookkeeping, events, tokens into the streams), and within it
+waking the streams' consumers; the bus."""
+
+
+class PhaseTimes:
+    """Wraps the engine's methods for each phase and adds up their time per step: a step ends when the events
+    published include its `StepCompleted`."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.steps: list[dict[str, float]] = []
+        self.current = dict.fromkeys(PHASES, 0.0)
+        for phase, owner, name in (("schedule", engine, "_schedule"), ("prepare", engine.executor, "prepare"),
+                                   ("apply", engine, "_apply"), ("wake", engine, "_wake_streams"),
+                                   ("publish", engine, "_flush_events")):
+            setattr(owner, name, self._timed(phase, getattr(owner, name)))
+
+    def _timed(self, phase: str, fn):
+        def timed(*args, **kwargs):
+            ends_step = phase == "publish" and any(isinstance(e, StepCompleted) for e in self.engine.events)
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[phase] += time.perf_counter() - t
+                if ends_step:
+                    self.steps.append(self.current)
+                    self.current = dict.fromkeys(PHASES, 0.0)
+        return timed
+
+
 def measure(model, tokenizer, requests: int = 256, prompt_len: int = 64, new_tokens: int = 200, block_size: int = 16) -> dict:
     """Run `requests` requests through the engine with the model replaced by `NullForward`; per-step times
     once every request is decoding."""
@@ -45,6 +78,7 @@ def measure(model, tokenizer, requests: int = 256, prompt_len: int = 64, new_tok
     times = StepTimes()
     engine = Engine(model, tokenizer, config, plugins=[times])
     engine.executor.forward = NullForward(engine.executor)
+    phases = PhaseTimes(engine)
 
     async def main() -> None:
         async with engine, anyio.create_task_group() as tg:
@@ -54,11 +88,22 @@ def measure(model, tokenizer, requests: int = 256, prompt_len: int = 64, new_tok
     t = time.perf_counter()
     anyio.run(main)
     wall = time.perf_counter() - t
-    full = [s for s in times.steps if s.requests == requests and s.prefill_tokens == 0]
-    per_step = sorted(s.step_s for s in full)
-    return {
+    full = [i for i, s in enumerate(times.steps) if s.requests == requests and s.prefill_tokens == 0]
+    per_step = sorted(times.steps[i].step_s for i in full)
+    report = {
         "requests": requests, "steps": len(times.steps), "full_decode_steps": len(full),
         "step_ms_p50": round(1000 * per_step[len(per_step) // 2], 3),
         "step_ms_mean": round(1000 * sum(per_step) / len(per_step), 3),
         "wall_per_step_ms": round(1000 * wall / len(times.steps), 3),
     }
+    own = [phases.steps[i] for i in full]  # one entry per step, in step order
+    for phase in PHASES:
+        report[f"{phase}_ms_p50"] = _p50_ms([p[phase] for p in own])
+    # apply's time includes the wake-ups; the consumers themselves run later, on the loop, outside these
+    report["scheduler_cache_bus_ms_p50"] = _p50_ms([p["schedule"] + p["apply"] - p["wake"] + p["publish"] for p in own])
+    report["engine_own_ms_p50"] = _p50_ms([p["schedule"] + p["prepare"] + p["apply"] + p["publish"] for p in own])
+    return report
+
+
+def _p50_ms(values: list[float]) -> float:
+    return round(1000 * sorted(values)[len(values) // 2], 3)

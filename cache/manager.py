@@ -55,6 +55,7 @@ class CacheManager:
             for layer in group.layers:
                 self.group_of_layer[layer] = g
         self.prefix_caching = prefix_caching and len(self.groups) == 1 and self.groups[0].window is None
+        self.sliding = any(group.window is not None for group in self.groups)
         self.pools = [BlockPool(num_blocks, eviction) for _ in self.groups]
         slots = (num_blocks + 2) * block_size
         # torch.empty: pages are committed only as blocks are first written. Reads never go past a
@@ -80,6 +81,8 @@ class CacheManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be allocated now (free, or cached and demotable)."""
+        if len(self.pools) == 1:
+            return self.pools[0].num_free
         return min(pool.num_free for pool in self.pools)
 
     def blocks_held(self, request_id: str) -> int:
@@ -177,7 +180,7 @@ class CacheManager:
     def slide(self, request_id: str, num_computed: int) -> None:
         """Give back the blocks of sliding-window groups that no later query can see: every position up to
         ``num_computed - window`` is out of reach of the tokens still to come."""
-        tables = self._tables.get(request_id)
+        tables = self._tables.get(request_id) if self.sliding else None
         if tables is None:
             return
         for group, pool, table in zip(self.groups, self.pools, tables):

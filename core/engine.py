@@ -63,6 +63,7 @@ class Engine:
         self.step_count = 0
         self._arrivals = 0
         self.events: list[ev.Event] = []  # this step's, published once it ends
+        self._woken: list[Collector] = []  # streams with tokens from the step being applied
         self._wake = anyio.Event()
         self._running = False
         self._task_group = None
@@ -369,20 +370,32 @@ class Engine:
 
     def _apply(self, entries: list[tuple[Sequence, int]], tokens: list[list[int] | None]) -> None:
         now = time.perf_counter()
+        cache = self.cache
+        bs = cache.block_size
         for (seq, n), drawn in zip(entries, tokens):
             if seq.status.done:  # aborted while its forward ran
                 continue
             seq.num_computed += n
-            self.cache.commit(seq)
-            self.cache.slide(seq.request_id, seq.num_computed)
+            if seq.num_computed // bs != (seq.num_computed - n) // bs:  # a block completed: hash it
+                cache.commit(seq)
+            if cache.sliding:
+                cache.slide(seq.request_id, seq.num_computed)
             if drawn is None:
                 self.events.append(ev.PrefillChunk(t=now, request_id=seq.request_id, tokens=n, computed=seq.num_computed))
                 continue
-            forks, seq.forks = seq.forks, []
-            for child, tok in zip(forks, drawn[1:]):
-                self._fork(seq, child)
-                self._emit(child, tok, now)
+            if seq.forks:
+                forks, seq.forks = seq.forks, []
+                for child, tok in zip(forks, drawn[1:]):
+                    self._fork(seq, child)
+                    self._emit(child, tok, now)
             self._emit(seq, drawn[0], now)
+        self._wake_streams()
+
+    def _wake_streams(self) -> None:
+        """Wake the consumers of this step's tokens, once each (a request's samples share one)."""
+        for collector in self._woken:
+            collector.wake()
+        self._woken = []
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """Start a further sample on the parent's prompt: share its full blocks, copy the partial one."""
@@ -402,7 +415,10 @@ class Engine:
                 seq.status = RequestStatus.DECODING
             self.events.append(ev.FirstToken(t=now, request_id=seq.request_id, ttft=now - seq.t_queued))
         self.events.append(ev.TokensGenerated(t=now, request_id=seq.request_id, tokens=1, total=len(seq.output_ids)))
-        seq.collector.put(seq.index, tok)
+        collector = seq.collector
+        if not collector.pending:  # the first token for it this step (or since its consumer last read)
+            self._woken.append(collector)
+        collector.push(seq.index, tok)
         if tok in seq.stop_ids or (seq.params.stop and self._hit_stop_string(seq)):
             self._finish(seq, "stop")
         elif len(seq.output_ids) >= seq.params.max_new_tokens:

@@ -13,7 +13,7 @@ from jitney.core.graphs import StaticDecoder, StaticDecodeStep
 from jitney.core.request import SamplingParams
 from jitney.core.sampling import sample
 from jitney.core.sequence import Sequence
-from jitney.kernels.base import STEP_KWARG, AttentionBackend, StepInputs
+from jitney.kernels.base import STEP_KWARG, AttentionBackend, StepInputs, int_tensor
 
 
 @dataclass
@@ -103,20 +103,20 @@ class StepExecutor:
         for g, group_rows in enumerate(rows):
             width = max(len(r) for r in group_rows)
             pad = cache.pools[g].padding_block
-            flat: list[int] = []  # one flat list: torch.tensor on nested lists is several times slower
+            flat: list[int] = []
             for r in group_rows:
                 flat += r
                 flat += [pad] * (width - len(r))
-            tables.append(torch.tensor(flat, device=self.device).view(len(group_rows), width))
-        pos = torch.tensor(positions, device=self.device)
+            tables.append(int_tensor(flat, self.device).view(len(group_rows), width))
+        pos = int_tensor(positions, self.device)
         step = StepInputs(
             query_lens=qlens, context_lens=ctx, num_decodes=sum(1 for n in qlens if n == 1), positions=pos,
             block_tables=tables, group_of_layer=cache.group_of_layer, block_size=cache.block_size,
             padding_slot=cache.padding_slot, keys=cache.keys, values=cache.values,
         )
         return PreparedStep(
-            num_entries=len(entries), input_ids=torch.tensor([ids], device=self.device), positions=pos,
-            keep=torch.tensor(sampled_rows or [len(ids) - 1], device=self.device), step=step,
+            num_entries=len(entries), input_ids=int_tensor(ids, self.device)[None], positions=pos,
+            keep=int_tensor(sampled_rows or [len(ids) - 1], self.device), step=step,
             sampled_entries=sampled_entries, samples_per_entry=[len(group) for group in samplers],
             params=params, generators=generators,
         )
@@ -124,7 +124,7 @@ class StepExecutor:
     def set_tokens(self, prepared: PreparedStep, token_ids: list[int]) -> None:
         """Give a step prepared `ahead` its input tokens, one per entry in entry order."""
         with torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext():
-            ids = torch.tensor(token_ids, device=self.device)
+            ids = int_tensor(token_ids, self.device)
             if prepared.static is not None:
                 prepared.static.input_ids[0, : len(token_ids)].copy_(ids)
             else:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from jitney.cache.manager import CacheManager
-from jitney.kernels.base import STEP_KWARG, AttentionBackend, StepInputs
+from jitney.kernels.base import STEP_KWARG, AttentionBackend, StepInputs, int_tensor
 
 
 def padded(n: int, interval: int) -> int:
@@ -68,15 +68,19 @@ class StaticDecodeStep:
         """Write a step's rows (token, position, per group its block table) into the buffers, padding the rest."""
         r, bs, n = self.shape.rows, self.cache.block_size, len(ids)
         pad_rows = r - n
-        self.input_ids[0].copy_(torch.tensor(ids + [0] * pad_rows))
-        self.positions.copy_(torch.tensor(positions + [0] * pad_rows))
-        self.context.copy_(torch.tensor([p + 1 for p in positions] + [1] * pad_rows))
+        self.input_ids[0].copy_(int_tensor(ids + [0] * pad_rows))
+        self.positions.copy_(int_tensor(positions + [0] * pad_rows))
+        self.context.copy_(int_tensor([p + 1 for p in positions] + [1] * pad_rows))
         for g, (width, pool) in enumerate(zip(self.shape.widths, self.cache.pools)):
             pad = pool.padding_block
-            rows = [t + [pad] * (width - len(t)) for t in tables[g]] + [[pad] * width] * pad_rows
-            self.tables[g].copy_(torch.tensor(rows))
+            flat: list[int] = []
+            for t in tables[g]:
+                flat += t
+                flat += [pad] * (width - len(t))
+            flat += [pad] * (width * pad_rows)
+            self.tables[g].copy_(int_tensor(flat).view(r, width))
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables[g], positions)]
-            self.slots[g].copy_(torch.tensor(slots + [self.cache.padding_slot] * pad_rows))
+            self.slots[g].copy_(int_tensor(slots + [self.cache.padding_slot] * pad_rows))
         self.num_rows = n
 
 

@@ -28,11 +28,19 @@ class Collector:
         return self.open == 0
 
     def put(self, index: int, token_id: int | None) -> None:
-        """Hand over a new token of sample `index` (None: the news that the sample ended)."""
+        """Hand over a new token of sample `index` (None: the news that the sample ended), and wake the consumer."""
         if token_id is None:
             self.open -= 1
         else:
             self.pending.append((index, token_id))
+        self.ready.set()
+
+    def push(self, index: int, token_id: int) -> None:
+        """Hand over a new token without waking the consumer: the caller calls `wake` once it has pushed a step's
+        tokens (waking a task is most of the cost of a hand-over)."""
+        self.pending.append((index, token_id))
+
+    def wake(self) -> None:
         self.ready.set()
 
     def take(self) -> list[tuple[int, int]]:
@@ -94,7 +102,7 @@ class Sequence:
     @property
     def remaining(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""
-        return self.num_tokens - self.num_computed
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed  # (asked for a few times a step)
 
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_ids)

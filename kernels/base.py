@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
+
+def int_tensor(values: list[int], device: torch.device | None = None) -> torch.Tensor:
+    """An int64 tensor of a flat list of ints. `torch.tensor` parses a list one element at a time (4,352 ints,
+    a step's block tables at 256 requests: 650 µs); the array module packs it in one C loop (88 µs)."""
+    t = torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
+    return t if device is None or device.type == "cpu" else t.to(device)
+
 
 ATTN_NAME = "jitney"
 STEP_KWARG = "jitney_step"  # the forward keyword that carries a step's metadata down to every layer
@@ -42,12 +50,12 @@ class StepInputs:
     @cached_property
     def context_tensor(self) -> torch.Tensor:
         """[R] `context_lens` on the step's device (int64)."""
-        return torch.tensor(self.context_lens, device=self.positions.device)
+        return int_tensor(self.context_lens, self.positions.device)
 
     @cached_property
     def write_slots(self) -> list[torch.Tensor]:
         """Per layer group, [T] the cache slot each query token's key and value go to."""
-        qlens = torch.tensor(self.query_lens, device=self.positions.device)
+        qlens = int_tensor(self.query_lens, self.positions.device)
         rows = torch.repeat_interleave(torch.arange(len(self.query_lens), device=qlens.device), qlens)
         blocks = torch.div(self.positions, self.block_size, rounding_mode="floor")
         return [t[rows, blocks] * self.block_size + self.positions % self.block_size for t in self.block_tables]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from jitney.cache.manager import blocks_view
-from jitney.kernels.base import StepInputs
+from jitney.kernels.base import StepInputs, int_tensor
 
 
 class TorchPagedAttention:
@@ -38,7 +38,7 @@ class _TorchStep:
 
         np_ = self.np = len(step.query_lens) - nd
         if np_:  # (a static step has none: nothing here may copy from the host during a graph capture)
-            qlens = torch.tensor(step.query_lens, device=device)
+            qlens = int_tensor(step.query_lens, device)
             pq, pctx = qlens[nd:], ctx[nd:]
             wp = -(-max(step.context_lens[nd:]) // bs)
             self.qmax, self.lp = max(step.query_lens[nd:]), wp * bs

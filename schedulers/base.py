@@ -105,24 +105,28 @@ class BatchBuilder:
         `new` marks a request from the waiting list: below `safety_margin x num_blocks` free blocks it does not
         start, unless the batch would otherwise be empty.
         """
-        if self.full:
+        if self.tokens_left == 0 or self.requests_left == 0 or self.blocks_left <= 0:  # (`full`, inlined)
             return "full"
-        if new and self.batch.entries and self.cache.num_free_blocks < self.reserve_floor:
-            return "cache"
+        cache = self.cache
         if new:
-            self.cache.match_prefix(seq)
-        n = min(seq.remaining, self.tokens_left)
+            if self.batch.entries and cache.num_free_blocks < self.reserve_floor:
+                return "cache"
+            cache.match_prefix(seq)
+        n = seq.remaining
+        if n > self.tokens_left:
+            n = self.tokens_left
         total = seq.num_computed + n
-        reads = -(-total // self.cache.block_size)
-        need = self.cache.blocks_needed(seq.request_id, total)
+        reads = -(-total // cache.block_size)
+        need = cache.blocks_needed(seq.request_id, total)
         result = "ok"
-        if need > self.cache.num_free_blocks:
+        # (most decodes need no new block: they skip the free count and the reservation)
+        if need and need > cache.num_free_blocks:
             result = "cache"
             if not new:
                 self.batch.stalled.append((seq, need))
         elif reads > self.blocks_left and self.batch.entries:
             result = "full"
-        elif not self.cache.reserve(seq.request_id, total):
+        elif need and not cache.reserve(seq.request_id, total):
             result = "cache"
         if result != "ok":
             if new:  # undo the prefix match: the cached blocks stay cached, and may be demoted meanwhile
