@@ -408,20 +408,22 @@ class Engine:
 
     def _emit(self, seq: Sequence, tok: int, now: float) -> None:
         """Record a sampled token, hand it to the consumer, and finish the sample on a stop token or length."""
-        seq.output_ids.append(tok)
+        out = seq.output_ids
+        out.append(tok)
         if seq.t_first_token is None:
             seq.t_first_token = now
             if seq.status is not RequestStatus.PENDING:
                 seq.status = RequestStatus.DECODING
             self.events.append(ev.FirstToken(t=now, request_id=seq.request_id, ttft=now - seq.t_queued))
-        self.events.append(ev.TokensGenerated(t=now, request_id=seq.request_id, tokens=1, total=len(seq.output_ids)))
+        count = len(out)
+        self.events.append(ev.TokensGenerated(t=now, request_id=seq.request_id, tokens=1, total=count))
         collector = seq.collector
         if not collector.pending:  # the first token for it this step (or since its consumer last read)
             self._woken.append(collector)
         collector.push(seq.index, tok)
         if tok in seq.stop_ids or (seq.params.stop and self._hit_stop_string(seq)):
             self._finish(seq, "stop")
-        elif len(seq.output_ids) >= seq.params.max_new_tokens:
+        elif count >= seq.params.max_new_tokens:
             self._finish(seq, "length")
 
     def _hit_stop_string(self, seq: Sequence) -> bool:

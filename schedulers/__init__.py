@@ -1,13 +1,13 @@
 """Scheduler plugins: the `Scheduler` role, a budget-keeping helper, and the built-in policies."""
 
 from jitney.core.hooks import hookimpl
-from jitney.schedulers.base import Batch, BatchBuilder, CacheView, Scheduler, decodes, prefills
+from jitney.schedulers.base import Batch, BatchBuilder, CacheView, Scheduler, decodes, decodes_then_prefills, prefills
 from jitney.schedulers.fifo import FifoScheduler, PrefillFirstScheduler
 from jitney.schedulers.priority import PriorityScheduler
 
 __all__ = [
     "Batch", "BatchBuilder", "CacheView", "FifoScheduler", "PrefillFirstScheduler", "PriorityScheduler",
-    "Scheduler", "decodes", "prefills",
+    "Scheduler", "decodes", "decodes_then_prefills", "prefills",
 ]
 
 
