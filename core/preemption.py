@@ -87,6 +87,7 @@ class Preempter:
             del self._stored[seq.request_id]
             tables = [cache.block_table(seq.request_id, g) for g in range(len(cache.groups))]
             self.engine.on_forward_thread(lambda: self.backend.load(cache, seq.request_id, tables))
+            cache.commit(seq)  # its blocks are hashed anew (the engine hashes only as blocks complete)
             bisect.insort(self.engine.active, seq, key=_by_arrival)
             self.engine.events.append(ev.RequestResumed(t=time.perf_counter(), request_id=seq.request_id, blocks=blocks))
 

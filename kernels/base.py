@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 from transformers import AttentionInterface
 
+
 def int_tensor(values: list[int], device: torch.device | None = None) -> torch.Tensor:
     """An int64 tensor of a flat list of ints. `torch.tensor` parses a list one element at a time (4,352 ints,
     a step's block tables at 256 requests: 650 µs); the array module packs it in one C loop (88 µs)."""

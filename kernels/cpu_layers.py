@@ -91,12 +91,14 @@ DECODER_MODELS = {"LlamaForCausalLM": "LlamaModel", "MistralForCausalLM": "Mistr
 
 
 class FusedDecoder:
-    """Decode steps of one or two rows, every decoder layer in one C++ call (`cpu_kernels.cpp`)."""
+    """Decode steps of one or two rows, every decoder layer in one C++ call (`cpu_kernels.cpp`). Module hooks
+    registered on the decoder layers do not run for these steps (nor does transformers' layer forward)."""
 
     MAX_ROWS = cpu_linear.SMALL_ROWS  # its linears are `small_linear`'s
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
+        """Whether `model` is one of `DECODER_MODELS`, unmodified, with every decoder layer fusable."""
         inner = getattr(model, "model", None)
         return (
             DECODER_MODELS.get(type(model).__name__) == type(inner).__name__
