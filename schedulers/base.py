@@ -167,5 +167,9 @@ def decodes_then_prefills(active: list[Sequence]) -> list[Sequence]:
     dec: list[Sequence] = []
     pre: list[Sequence] = []
     for s in active:
-        (dec if s.remaining == 1 else pre).append(s)
+        left = s.remaining
+        if left == 1:
+            dec.append(s)
+        elif left > 1:
+            pre.append(s)
     return dec + pre

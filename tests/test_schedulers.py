@@ -165,3 +165,12 @@ async def test_a_scheduler_may_observe_lifecycle_events(llama):
         engine.scheduler = Watching(engine.config)
         await engine.generate(Request([1, 2, 3], SamplingParams(max_new_tokens=3)))
     assert {"RequestQueued", "FirstToken", "RequestFinished", "StepCompleted"} <= set(Watching.seen)
+
+
+def test_decodes_then_prefills_is_the_two_helpers_in_one_pass():
+    from jitney.schedulers import decodes, decodes_then_prefills, prefills
+
+    rng = random.Random(4)
+    active = [seq(30, i, computed=rng.choice([0, 12, 29, 30, 30, 31]), outputs=1) for i in range(40)]  # 31 tokens each
+    assert decodes_then_prefills(active) == decodes(active) + prefills(active)
+    assert 0 < len(decodes(active)) < len(prefills(active)) + len(decodes(active)) < len(active)  # all three kinds
