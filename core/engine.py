@@ -452,7 +452,7 @@ class Engine:
         for child in seq.forks:  # samples that never forked end with their parent
             self._finish(child, reason, error)
         seq.forks = []
-        seq.collector.put(seq.index, None)
+        seq.collector.end()
         if seq.collector.done:
             self.requests.pop(seq.request.request_id, None)
 

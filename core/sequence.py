@@ -27,20 +27,17 @@ class Collector:
     def done(self) -> bool:
         return self.open == 0
 
-    def put(self, index: int, token_id: int | None) -> None:
-        """Hand over a new token of sample `index` (None: the news that the sample ended), and wake the consumer."""
-        if token_id is None:
-            self.open -= 1
-        else:
-            self.pending.append((index, token_id))
-        self.ready.set()
-
     def push(self, index: int, token_id: int) -> None:
-        """Hand over a new token without waking the consumer: the caller calls `wake` once it has pushed a step's
-        tokens (waking a task is most of the cost of a hand-over)."""
+        """Hand over a new token of sample `index` without waking the consumer: the caller calls `wake` once it has
+        pushed a step's tokens (waking a task is most of the cost of a hand-over)."""
         self.pending.append((index, token_id))
 
     def wake(self) -> None:
+        self.ready.set()
+
+    def end(self) -> None:
+        """The news that one sample ended; wakes the consumer at once."""
+        self.open -= 1
         self.ready.set()
 
     def take(self) -> list[tuple[int, int]]:

@@ -112,19 +112,12 @@ class FusedDecoder:
         specs, eps, windows = [], [], []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            empty = attn.q_proj.weight.new_empty(0)
-            qkv_bias = [m.bias for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
-            if all(b is None for b in qkv_bias):
-                qkv_bias = empty
-            else:
-                qkv_bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
-                                      for m, b in zip((attn.q_proj, attn.k_proj, attn.v_proj), qkv_bias)])
-            gate_up_bias = empty if mlp.gate_proj.bias is None and mlp.up_proj.bias is None else torch.cat(
-                [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in (mlp.gate_proj, mlp.up_proj)]
-            )
-            tensors = [layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, qkv_bias,
-                       attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_proj.weight,
-                       mlp.up_proj.weight, gate_up_bias, mlp.down_proj.weight, mlp.down_proj.bias]
+            qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+            biases = [_stacked_bias(ms) for ms in (qkv, [attn.o_proj], gate_up, [mlp.down_proj])]
+            tensors = [layer.input_layernorm.weight, *(m.weight for m in qkv), biases[0], attn.o_proj.weight, biases[1],
+                       layer.post_attention_layernorm.weight, *(m.weight for m in gate_up), biases[2],
+                       mlp.down_proj.weight, biases[3]]
+            empty = attn.q_proj.weight.new_empty(0)  # no bias
             specs.append([empty if t is None else t.detach().contiguous() for t in tensors])
             eps += [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon]
             windows.append(WINDOW_OF[type(layer).__name__](layer) or 0)
@@ -145,13 +138,16 @@ class FusedDecoder:
         return self.model.lm_head(inner.norm(h[None]))[0]
 
 
+def _stacked_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
+    """The biases of linears computed as one, stacked (zeros for those without); None if none has one."""
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+
+
 def _stacked(linears: list[nn.Linear]):
     """One packed linear over several that share an input (their weights stay as they are)."""
-    biases = [m.bias for m in linears]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b.detach() if b is not None else m.weight.new_zeros(m.out_features) for m, b in zip(linears, biases)]
-    )
-    return cpu_linear.packed_linear([m.weight.detach() for m in linears], bias)
+    return cpu_linear.packed_linear([m.weight.detach() for m in linears], _stacked_bias(linears))
 
 
 def _fused_forward(layer: nn.Module, kernels):
