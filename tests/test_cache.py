@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -87,22 +90,29 @@ def test_block_count_is_solved_from_available_memory(llama, monkeypatch):
         Engine(llama, config=EngineConfig(block_size=16, max_memory_percent=0.5))
 
 
-def _rss() -> int:
+_MEASURE_CACHE = """
+import torch
+from jitney.cache import CacheManager, sizing
+
+def rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
+sizing.available_memory = lambda device: 512 * 2**20
+per_block = sizing.bytes_per_block(4, 16, 4, 64, torch.float32)
+num_blocks = sizing.solve_num_blocks(per_block, 0, 0.25, torch.device("cpu"))
+before = rss()
+cache = CacheManager(4, 4, 64, 16, num_blocks, torch.float32, torch.device("cpu"))
+for store in cache.keys + cache.values:  # every block written once, as a full cache would be
+    store.fill_(1.0)
+print(rss() - before, (num_blocks + 2) * per_block, cache.bytes_allocated)
+"""
 
-def test_the_solved_cache_takes_the_memory_it_predicts(monkeypatch):
-    from jitney.cache import sizing
 
-    monkeypatch.setattr(sizing, "available_memory", lambda device: 512 * 2**20)
-    per_block = sizing.bytes_per_block(4, 16, 4, 64, torch.float32)
-    num_blocks = sizing.solve_num_blocks(per_block, 0, 0.25, torch.device("cpu"))
-    before = _rss()
-    cache = CacheManager(4, 4, 64, 16, num_blocks, torch.float32, torch.device("cpu"))
-    for store in cache.keys + cache.values:  # every block written once, as a full cache would be
-        store.fill_(1.0)
-    grown = _rss() - before
-    predicted = (num_blocks + 2) * per_block
-    assert cache.bytes_allocated == predicted <= 128 * 2**20
+def test_the_solved_cache_takes_the_memory_it_predicts():
+    # In a fresh process: in this one, heap pages that earlier tests freed can be handed out again without the
+    # process growing, and the growth measured would fall short (seen once in a full run).
+    out = subprocess.run([sys.executable, "-c", _MEASURE_CACHE], capture_output=True, text=True, check=True).stdout
+    grown, predicted, allocated = map(int, out.split())
+    assert allocated == predicted <= 128 * 2**20
     assert 0.9 * predicted <= grown <= 1.1 * predicted
