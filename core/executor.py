@@ -45,8 +45,8 @@ class StepExecutor:
         self.backend = backend
         # Padded decode steps, set by the engine once it has planned them (their graphs use this compute stream).
         self.static: StaticDecoder | None = None
-        # Every decoder layer in one call for decode steps of a few rows (`cpu_layers.FusedDecoder`), set by the
-        # engine while the model's layers are fused and the attention backend is the one it computes.
+        # The whole model in one call for decode-only steps (`cpu_layers.FusedDecoder`), set by the engine while
+        # the model's layers are fused and the attention backend is the one it computes.
         self.decoder = None
         self.device = next(model.parameters()).device
         # On CUDA, inputs are copied on one stream and the forward runs on another, so that the next step's
@@ -149,7 +149,7 @@ class StepExecutor:
             argmax = None
             if p.static is not None:
                 logits = self.static.forward(p.static)
-            elif self.decoder is not None and p.step.num_decodes == len(p.step.query_lens) <= self.decoder.MAX_ROWS:
+            elif self.decoder is not None and p.step.num_decodes == len(p.step.query_lens):
                 logits = self.decoder(p.input_ids, p.positions, p.step)
                 argmax = self.decoder.argmax
             else:

@@ -12,14 +12,15 @@
 #include <unistd.h>
 #include <vector>
 
-// A thread pool of our own for the kernels of batch-1 and batch-2 decode steps. libgomp (torch's OpenMP) gives
-// every thread that opens parallel regions a team of its own, and once the process holds more OpenMP threads
-// than CPUs (the engine's forward thread's team plus the one any parallel torch op on the main thread leaves
-// behind) idle team threads sleep at once instead of spinning: every short parallel region then waits for a
-// wake-up, and a batch-1 step of SmolLM2 took ~34 instead of ~23 ms. These workers spin for a short while
-// after each task before they sleep. Larger steps stay on OpenMP: their linears run on oneDNN's OpenMP
-// threads, and two sets of spinning threads on the same cores slow each other (a 64-row step ran ~15% slower
-// with every kernel on this pool).
+// A thread pool of our own for the kernels of calls on one or two rows (batch-1 and -2 decode steps). libgomp
+// (torch's OpenMP) gives every thread that opens parallel regions a team of its own, and once the process
+// holds more OpenMP threads than CPUs (the engine's forward thread's team plus the one any parallel torch op on
+// the main thread leaves behind) idle team threads sleep at once instead of spinning: every short parallel
+// region then waits for a wake-up, and a batch-1 step of SmolLM2 took ~34 instead of ~23 ms. These workers
+// spin for a short while after each task before they sleep. Larger calls stay on OpenMP, like the torch ops
+// around them: two sets of spinning threads on the same cores slow each other (a 64-row step ran ~15% slower
+// with oneDNN on OpenMP and every kernel here on this pool; a 64-row one-call decode step 266 vs 190 ms with
+// its kernels on the pool instead of OpenMP).
 static inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -91,8 +92,8 @@ static Pool* the_pool() {
   return pool;
 }
 
-// fn(begin, end) over [0, n) split in parts of at least `grain` each: on the pool above for a batch-1 or -2
-// step's kernels (`small`), else on torch's threads (at::parallel_for).
+// fn(begin, end) over [0, n) split in parts of at least `grain` each: on the pool above for a call on one or
+// two rows (`small`), else on torch's threads (at::parallel_for).
 template <typename F>
 static void parallel(int64_t n, int64_t grain, bool small, const F& fn) {
   if (!small) {
@@ -116,9 +117,9 @@ static void parallel(int64_t n, int64_t grain, bool small, const F& fn) {
 static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, int64_t heads, int64_t dim,
                              const float* kp, const float* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
                              int64_t width, const int64_t* cp, float* op, double scale, int64_t window,
-                             int64_t block_size) {
+                             int64_t block_size, bool small) {
   const int64_t group = heads / kv_heads;
-  parallel(rows * kv_heads, 1, rows <= 2, [&](int64_t begin, int64_t end) {
+  parallel(rows * kv_heads, 1, small, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(group * dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads;
@@ -206,60 +207,125 @@ void paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
   const int64_t heads = q.size(1), dim = q.size(2);
   decode_attention(q.data_ptr<float>(), heads * dim, q.size(0), heads, dim, k.data_ptr<float>(), v.data_ptr<float>(),
                    k.size(0), k.size(1), tables.data_ptr<int64_t>(), tables.size(1), ctx.data_ptr<int64_t>(),
-                   out.data_ptr<float>(), scale, window, block_size);
+                   out.data_ptr<float>(), scale, window, block_size, q.size(0) <= 2);
 }
 
-// A linear layer's weight [N, K] as one or more row blocks (stacked: q, k and v projections read as one), and
-// its bias (or none). Holds raw pointers: the tensors must outlive it.
-struct RowBlocks {
-  std::vector<const float*> rows;  // each block's data, offset back by its first output feature
-  std::vector<int64_t> ends;       // cumulative rows of the blocks
+// Weights packed in panels of 16 output features for `panel_linear`: [ceil(N / 16), K, 16], each panel
+// K-major (the 16 weights of input feature c side by side), the last panel zero-padded.
+constexpr int64_t PANEL = 16;
+
+// A linear layer as `pack_panels` left it: its panels, output features and bias (or none). Raw pointers: the
+// tensors must outlive it.
+struct Panels {
+  const float* p = nullptr;
   const float* bias = nullptr;
   int64_t n = 0, k = 0;
 };
 
-static RowBlocks row_blocks(const std::vector<torch::Tensor>& ws, const torch::Tensor& bias, int64_t k) {
-  RowBlocks w;
-  w.k = k;
-  for (const auto& block : ws) {
-    TORCH_CHECK(block.is_contiguous() && block.scalar_type() == torch::kFloat && block.dim() == 2 && block.size(1) == k,
-                "small_linear: contiguous fp32 inputs, weights [N, K]");
-    w.rows.push_back(block.data_ptr<float>() - w.n * k);
-    w.ends.push_back(w.n += block.size(0));
+// The row blocks `ws` ([N_i, K] each) stacked, so that q, k and v (or gate and up) projections compute as one.
+torch::Tensor pack_panels(std::vector<torch::Tensor> ws) {
+  TORCH_CHECK(!ws.empty(), "pack_panels: at least one weight");
+  const int64_t k = ws[0].size(1);
+  int64_t n = 0;
+  for (const auto& w : ws) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == k && w.scalar_type() == torch::kFloat, "pack_panels: fp32 weights [N, K]");
+    n += w.size(0);
   }
+  auto out = torch::zeros({(n + PANEL - 1) / PANEL, k, PANEL}, ws[0].options());
+  float* op = out.data_ptr<float>();
+  int64_t j = 0;  // output feature
+  for (const auto& block : ws) {
+    const auto w = block.contiguous();
+    const float* wp = w.data_ptr<float>();
+    for (int64_t i = 0; i < w.size(0); ++i, ++j) {
+      float* column = op + (j / PANEL) * k * PANEL + j % PANEL;
+      for (int64_t c = 0; c < k; ++c) column[c * PANEL] = wp[i * k + c];
+    }
+  }
+  return out;
+}
+
+typedef float v8 __attribute__((vector_size(32)));
+
+// rows x 16 outputs of one panel: every weight loaded once per row tile, 2 * ROWS accumulators in registers.
+template <int ROWS>
+static inline void panel_tile(const float* xp, int64_t k, const float* panel, float* yp, int64_t ldy, int64_t cols,
+                              const float* bias, const float* next) {
+  v8 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = v8{};
+  for (int64_t c = 0; c < k; ++c) {
+    const v8 w0 = *(const v8*)(panel + c * PANEL);
+    const v8 w1 = *(const v8*)(panel + c * PANEL + 8);
+    if (next) __builtin_prefetch(next + c * PANEL);
+    for (int r = 0; r < ROWS; ++r) {
+      const float s = xp[r * k + c];
+      acc[r][0] += s * w0;
+      acc[r][1] += s * w1;
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    float out[PANEL];
+    std::memcpy(out, &acc[r][0], 32);
+    std::memcpy(out + 8, &acc[r][1], 32);
+    float* yr = yp + r * ldy;
+    for (int64_t j = 0; j < cols; ++j) yr[j] = bias ? out[j] + bias[j] : out[j];
+  }
+}
+
+// y = x @ w.T (+ b) ([M, K] -> [M, N]) over `pack_panels` weights. Threads split the panels; rows go through
+// in tiles of up to 6 (12 accumulators), blocks of rows sized so that x stays in L2 while a panel is reused.
+static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small) {
+  constexpr int64_t TILE = 6;
+  const int64_t k = w.k, n = w.n;
+  const float *pp = w.p, *bias = w.bias;
+  const int64_t panels = (n + PANEL - 1) / PANEL;
+  const int64_t rows_per_block = std::max<int64_t>(TILE, (262144 / (4 * k)) / TILE * TILE);
+  for (int64_t first = 0; first < m; first += rows_per_block) {
+    const int64_t last = std::min(m, first + rows_per_block);
+    parallel(panels, 1, small, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const float* panel = pp + p * k * PANEL;
+        const int64_t j = p * PANEL, cols = std::min(PANEL, n - j);
+        const float* b = bias ? bias + j : nullptr;
+        for (int64_t r = first; r < last; r += TILE) {
+          // the first tile brings the next panel into cache while it computes
+          const float* next = r == first && p + 1 < end ? panel + k * PANEL : nullptr;
+          const float* xr = xp + r * k;
+          float* yr = yp + r * n + j;
+          switch (std::min(TILE, last - r)) {
+            case 6: panel_tile<6>(xr, k, panel, yr, n, cols, b, next); break;
+            case 5: panel_tile<5>(xr, k, panel, yr, n, cols, b, next); break;
+            case 4: panel_tile<4>(xr, k, panel, yr, n, cols, b, next); break;
+            case 3: panel_tile<3>(xr, k, panel, yr, n, cols, b, next); break;
+            case 2: panel_tile<2>(xr, k, panel, yr, n, cols, b, next); break;
+            default: panel_tile<1>(xr, k, panel, yr, n, cols, b, next); break;
+          }
+        }
+      }
+    });
+  }
+}
+
+static Panels panels_of(const torch::Tensor& packed, int64_t n, const torch::Tensor& bias) {
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(2) == PANEL && packed.size(0) * PANEL >= n &&
+              packed.scalar_type() == torch::kFloat && reinterpret_cast<uintptr_t>(packed.data_ptr<float>()) % 32 == 0,
+              "panel_linear: weights from pack_panels");
+  Panels w{packed.data_ptr<float>(), nullptr, n, packed.size(1)};
   if (bias.defined() && bias.numel() > 0) {
-    TORCH_CHECK(bias.is_contiguous() && bias.numel() == w.n, "small_linear: one bias per output feature");
+    TORCH_CHECK(bias.is_contiguous() && bias.numel() == n && bias.scalar_type() == torch::kFloat,
+                "panel_linear: one fp32 bias per output feature");
     w.bias = bias.data_ptr<float>();
   }
   return w;
 }
 
-// y = x @ w.T (+ b) for a few rows of x ([M, K], y [M, N]): threads split the output features, each weight row
-// is read once and used for every row of x.
-static void linear_rows(const RowBlocks& w, const float* xp, int64_t m, float* yp) {
-  const int64_t n = w.n, k = w.k;
-  parallel(n, 64, true, [&](int64_t begin, int64_t end) {
-    size_t block = 0;
-    for (int64_t j = begin; j < end; ++j) {
-      while (j >= w.ends[block]) ++block;
-      const float* wr = w.rows[block] + j * k;
-      for (int64_t i = 0; i < m; ++i) {
-        const float* xr = xp + i * k;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t c = 0; c < k; ++c) s += xr[c] * wr[c];
-        yp[i * n + j] = w.bias ? s + w.bias[j] : s;
-      }
-    }
-  });
-}
-
-torch::Tensor small_linear(torch::Tensor x, std::vector<torch::Tensor> ws, c10::optional<torch::Tensor> b) {
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat, "small_linear: contiguous fp32 inputs");
-  torch::Tensor bias = b.has_value() ? b->contiguous() : torch::Tensor();
-  const RowBlocks w = row_blocks(ws, bias, x.size(1));
-  auto y = torch::empty({x.size(0), w.n}, x.options());
-  linear_rows(w, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+// x [M, K] -> [M, N] through weights packed by `pack_panels` (n: their output features).
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> b) {
+  const Panels w = panels_of(packed, n, b.has_value() ? *b : torch::Tensor());
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) == w.k,
+              "panel_linear: contiguous fp32 [M, K]");
+  auto y = torch::empty({x.size(0), n}, x.options());
+  panel_rows(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>(), x.size(0) <= 2);
   return y;
 }
 
@@ -268,8 +334,8 @@ static int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / st
 
 // RMSNorm of t rows of width c: out = w * s / sqrt(mean(s^2) + eps), s = x (+ residual, then also written to sum).
 static void rms_rows(const float* xp, const float* rp, const float* wp, double eps, int64_t t, int64_t c, float* op,
-                     float* sp) {
-  parallel(t, row_grain(c), false, [&](int64_t begin, int64_t end) {
+                     float* sp, bool small) {
+  parallel(t, row_grain(c), small, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = xp + r * c;
       float ss = 0.f;
@@ -308,15 +374,16 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, c10::optional<torch::Tensor
     rp = residual->data_ptr<float>();
   }
   rms_rows(x.data_ptr<float>(), rp, w.data_ptr<float>(), eps, x.size(0), x.size(1), out.data_ptr<float>(),
-           sum.data_ptr<float>());
+           sum.data_ptr<float>(), false);
   return {out, sum};
 }
 
 // Rotary embedding in place on the first `heads` heads (of d each) of t rows, `stride` floats apart: the first
 // and second halves of each head turn by the row's angles (cos/sin [t, d], halves repeated).
-static void rotary_rows(float* xp, int64_t t, int64_t stride, const float* cp, const float* sp, int64_t d, int64_t heads) {
+static void rotary_rows(float* xp, int64_t t, int64_t stride, const float* cp, const float* sp, int64_t d, int64_t heads,
+                        bool small) {
   const int64_t half = d / 2;
-  parallel(t, row_grain(heads * d), false, [&](int64_t begin, int64_t end) {
+  parallel(t, row_grain(heads * d), small, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* c = cp + r * d;
       const float* s = sp + r * d;
@@ -341,12 +408,12 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t head
   const int64_t t = x.size(0), d = cos.size(-1);
   TORCH_CHECK(cos.numel() == t * d && sin.numel() == t * d && heads * d <= x.size(1),
               "rotary_: one angle row per token, heads * head_dim columns");
-  rotary_rows(x.data_ptr<float>(), t, x.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), d, heads);
+  rotary_rows(x.data_ptr<float>(), t, x.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), d, heads, false);
 }
 
 // The gated MLP's activation on t rows: [2n] (gate then up) -> [n], silu(gate) * up.
-static void silu_rows(const float* gp, int64_t t, int64_t n, float* op) {
-  parallel(t, row_grain(n), false, [&](int64_t begin, int64_t end) {
+static void silu_rows(const float* gp, int64_t t, int64_t n, float* op, bool small) {
+  parallel(t, row_grain(n), small, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = gp + r * 2 * n;
       const float* u = g + n;
@@ -361,20 +428,20 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   TORCH_CHECK(gu.is_contiguous() && gu.scalar_type() == torch::kFloat && gu.size(1) % 2 == 0, "silu_mul: contiguous fp32 [T, 2I]");
   const int64_t t = gu.size(0), n = gu.size(1) / 2;
   auto out = torch::empty({t, n}, gu.options());
-  silu_rows(gu.data_ptr<float>(), t, n, out.data_ptr<float>());
+  silu_rows(gu.data_ptr<float>(), t, n, out.data_ptr<float>(), false);
   return out;
 }
 
 // The index of each row's largest value ([M, N] fp32 -> M ints), the first one on ties and NaN above all, like
-// torch.argmax; one thread per row on the pool. torch's own argmax of a large row is an OpenMP-parallel
-// reduction, and its team's threads then spin on the second core while the pool's worker needs it: the next
-// batch-1 step's layers ran ~3 ms slower after it.
+// torch.argmax; one thread per row, on the pool for one or two rows. torch's own argmax of a large row is an
+// OpenMP-parallel reduction, and its team's threads then spin on the second core while the pool's worker needs
+// it: the next batch-1 step's layers ran ~3 ms slower after it.
 std::vector<int64_t> argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat, "argmax_rows: fp32 rows");
   const int64_t m = x.size(0), n = x.size(1), stride = x.stride(0);
   const float* xp = x.data_ptr<float>();
   std::vector<int64_t> out(m, 0);
-  parallel(m, 1, true, [&](int64_t begin, int64_t end) {
+  parallel(m, 1, m <= 2, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * stride;
       int64_t best = 0;
@@ -393,45 +460,51 @@ std::vector<int64_t> argmax_rows(torch::Tensor x) {
   return out;
 }
 
-// Every decoder layer of a fused model for a decode step of a few rows, in one call: the same kernels in the
-// same order as `kernels/cpu_layers.py`'s fused layer forward and the CPU attention backend, so the same
-// numbers, without the ~4 ms of Python a batch-1 step of SmolLM2 spent between them.
+// A decode step of a fused model in one call: every decoder layer, the final norm and the LM head, with the
+// same kernels in the same order as `kernels/cpu_layers.py`'s fused layer forward and the CPU attention
+// backend, so the same numbers, without the Python between them (~4 ms of a ~23 ms batch-1 step of SmolLM2,
+// ~0.15 ms a layer at any batch).
 class FusedDecoder {
  public:
-  // Per layer: {input norm, q, k, v, q/k/v bias, o, o bias, post-attention norm, gate, up, gate/up bias, down,
-  // down bias} (an empty tensor: no bias), its two norms' epsilons and its window (0: none).
+  // Per layer: {input norm, q/k/v panels, their bias, o panels, bias, post-attention norm, gate/up panels, bias,
+  // down panels, bias} (an empty tensor: no bias), its two norms' epsilons and its window (0: none); then the
+  // final norm's weight and epsilon, the LM head's panels and bias.
   FusedDecoder(std::vector<std::vector<torch::Tensor>> layers, std::vector<double> eps, std::vector<int64_t> windows,
-               int64_t heads, int64_t kv_heads, int64_t dim, double scaling)
+               int64_t heads, int64_t kv_heads, int64_t dim, double scaling, torch::Tensor norm, double norm_eps,
+               torch::Tensor head, int64_t vocab, torch::Tensor head_bias)
       : tensors_(std::move(layers)), eps_(std::move(eps)), windows_(std::move(windows)), heads_(heads),
-        kv_heads_(kv_heads), dim_(dim), scaling_(scaling) {
+        kv_heads_(kv_heads), dim_(dim), scaling_(scaling), norm_t_(norm.contiguous()), norm_eps_(norm_eps),
+        head_t_(head), head_bias_t_(head_bias) {
     TORCH_CHECK(eps_.size() == 2 * tensors_.size() && windows_.size() == tensors_.size(), "FusedDecoder: per-layer settings");
+    const int64_t c = norm_t_.numel(), qkv_width = (heads + 2 * kv_heads) * dim;
     for (const auto& t : tensors_) {
-      TORCH_CHECK(t.size() == 13, "FusedDecoder: 13 tensors per layer");
-      const int64_t c = t[0].numel();
+      TORCH_CHECK(t.size() == 10 && t[0].numel() == c && t[5].numel() == c, "FusedDecoder: 10 tensors per layer");
       Layer l;
       l.norm_in = t[0].data_ptr<float>();
-      l.norm_post = t[7].data_ptr<float>();
-      l.qkv = row_blocks({t[1], t[2], t[3]}, t[4], c);
-      l.o = row_blocks({t[5]}, t[6], heads * dim);
-      l.gate_up = row_blocks({t[8], t[9]}, t[10], c);
-      l.down = row_blocks({t[11]}, t[12], t[11].size(1));
-      TORCH_CHECK(l.qkv.n == (heads + 2 * kv_heads) * dim && l.o.n == c && l.down.n == c && l.gate_up.n == 2 * l.down.k,
-                  "FusedDecoder: projection shapes");
+      l.norm_post = t[5].data_ptr<float>();
+      l.qkv = panels_of(t[1], qkv_width, t[2]);
+      l.o = panels_of(t[3], c, t[4]);
+      l.down = panels_of(t[8], c, t[9]);
+      l.gate_up = panels_of(t[6], 2 * l.down.k, t[7]);
+      TORCH_CHECK(l.qkv.k == c && l.o.k == heads * dim && l.gate_up.k == c, "FusedDecoder: projection shapes");
       layers_.push_back(l);
     }
+    head_ = panels_of(head_t_, vocab, head_bias_t_);
+    TORCH_CHECK(head_.k == c, "FusedDecoder: LM head shape");
   }
 
   // x [M, C] the token embeddings, cos/sin [M, D] their rotary angles; keys/values per layer the cache's
   // [slots, kv_heads, D] views of head-major storage; tables per layer group [M, W] int64; ctx [M] each
-  // row's context length including its new token (written at position ctx - 1). Returns the last layer's output.
+  // row's context length including its new token (written at position ctx - 1). Returns the logits [M, vocab].
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
                         std::vector<torch::Tensor> values, std::vector<torch::Tensor> tables,
                         std::vector<int64_t> group_of_layer, torch::Tensor ctx, int64_t block_size) {
     const int64_t m = x.size(0), c = x.size(1), d = dim_, h = heads_, kvh = kv_heads_;
+    const bool small = m <= 2;  // on the pool (see `parallel`)
     const size_t num_layers = layers_.size();
     TORCH_CHECK(x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && ctx.is_contiguous() &&
                 x.scalar_type() == torch::kFloat && ctx.scalar_type() == torch::kLong && cos.numel() == m * d &&
-                sin.numel() == m * d, "FusedDecoder.forward: contiguous fp32 rows and angles, int64 lengths");
+                sin.numel() == m * d && c == norm_t_.numel(), "FusedDecoder.forward: contiguous fp32 rows and angles, int64 lengths");
     TORCH_CHECK(keys.size() == num_layers && values.size() == num_layers && group_of_layer.size() == num_layers,
                 "FusedDecoder.forward: one cache tensor per layer");
     for (const auto& t : tables)
@@ -449,10 +522,9 @@ class FusedDecoder {
       }
     }
     const int64_t qkv_width = (h + 2 * kvh) * d, inter = layers_.empty() ? 0 : layers_[0].down.k;
-    auto out = x.clone();
-    float* xp = out.data_ptr<float>();
-    std::vector<float> hn(m * c), y(m * qkv_width), attn(m * h * d), o(m * c), sum(m * c), gu(m * 2 * inter),
-        act(m * inter), down(m * c);
+    std::vector<float> xs(x.data_ptr<float>(), x.data_ptr<float>() + m * c), hn(m * c), y(m * qkv_width),
+        attn(m * h * d), o(m * c), sum(m * c), gu(m * 2 * inter), act(m * inter), down(m * c);
+    float* xp = xs.data();
     for (size_t i = 0; i < num_layers; ++i) {
       const Layer& l = layers_[i];
       torch::Tensor& kc = keys[i];
@@ -463,9 +535,9 @@ class FusedDecoder {
       const int64_t slots_per_head = kc.size(0), g = group_of_layer[i];
       float* kp = kc.data_ptr<float>();
       float* vp = vc.data_ptr<float>();
-      rms_rows(xp, nullptr, l.norm_in, eps_[2 * i], m, c, hn.data(), nullptr);
-      linear_rows(l.qkv, hn.data(), m, y.data());
-      rotary_rows(y.data(), m, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), d, h + kvh);
+      rms_rows(xp, nullptr, l.norm_in, eps_[2 * i], m, c, hn.data(), nullptr, small);
+      panel_rows(hn.data(), m, l.qkv, y.data(), small);
+      rotary_rows(y.data(), m, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), d, h + kvh, small);
       for (int64_t r = 0; r < m; ++r) {  // this step's keys and values into the cache
         const float* kr = y.data() + r * qkv_width + h * d;
         const float* vr = kr + kvh * d;
@@ -475,22 +547,25 @@ class FusedDecoder {
         }
       }
       decode_attention(y.data(), qkv_width, m, h, d, kp, vp, kvh, slots_per_head, tables[g].data_ptr<int64_t>(),
-                       tables[g].size(1), cp, attn.data(), scaling_, windows_[i], block_size);
-      linear_rows(l.o, attn.data(), m, o.data());
-      rms_rows(o.data(), xp, l.norm_post, eps_[2 * i + 1], m, c, hn.data(), sum.data());
-      linear_rows(l.gate_up, hn.data(), m, gu.data());
-      silu_rows(gu.data(), m, inter, act.data());
-      linear_rows(l.down, act.data(), m, down.data());
+                       tables[g].size(1), cp, attn.data(), scaling_, windows_[i], block_size, small);
+      panel_rows(attn.data(), m, l.o, o.data(), small);
+      rms_rows(o.data(), xp, l.norm_post, eps_[2 * i + 1], m, c, hn.data(), sum.data(), small);
+      panel_rows(hn.data(), m, l.gate_up, gu.data(), small);
+      silu_rows(gu.data(), m, inter, act.data(), small);
+      panel_rows(act.data(), m, l.down, down.data(), small);
       for (int64_t j = 0; j < m * c; ++j) xp[j] = sum[j] + down[j];
     }
-    return out;
+    rms_rows(xp, nullptr, norm_t_.data_ptr<float>(), norm_eps_, m, c, hn.data(), nullptr, small);
+    auto logits = torch::empty({m, head_.n}, x.options());
+    panel_rows(hn.data(), m, head_, logits.data_ptr<float>(), small);
+    return logits;
   }
 
  private:
   struct Layer {
     const float* norm_in;
     const float* norm_post;
-    RowBlocks qkv, o, gate_up, down;
+    Panels qkv, o, gate_up, down;
   };
   std::vector<std::vector<torch::Tensor>> tensors_;  // keeps the weights the raw pointers read alive
   std::vector<Layer> layers_;
@@ -498,19 +573,24 @@ class FusedDecoder {
   std::vector<int64_t> windows_;
   int64_t heads_, kv_heads_, dim_;
   double scaling_;
+  torch::Tensor norm_t_;
+  double norm_eps_;
+  torch::Tensor head_t_, head_bias_t_;
+  Panels head_;
 };
 
 // The kernels run without the GIL, so the engine's event loop goes on while a forward computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode", &paged_decode, nogil);
-  m.def("small_linear", &small_linear, nogil);
+  m.def("pack_panels", &pack_panels);
+  m.def("panel_linear", &panel_linear, nogil);
   m.def("rms_norm", &rms_norm, nogil);
   m.def("rotary_", &rotary_, nogil);
   m.def("silu_mul", &silu_mul, nogil);
   m.def("argmax_rows", &argmax_rows, nogil);
   py::class_<FusedDecoder>(m, "FusedDecoder")
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<double>, std::vector<int64_t>, int64_t, int64_t,
-                    int64_t, double>())
+                    int64_t, double, torch::Tensor, double, torch::Tensor, int64_t, torch::Tensor>())
       .def("forward", &FusedDecoder::forward, nogil);
 }

@@ -4,16 +4,16 @@ transformers' decoder layer runs ~15 module calls and ~45 small torch ops per la
 those cost about a quarter of a step (~8 of ~32 ms). While `FusedLayers` is entered, each supported layer instead runs:
 RMSNorm (C++), one linear over q, k and v stacked, rotary embedding in place (C++), the engine's attention
 backend, the output projection, residual add + RMSNorm (C++), one linear over gate and up stacked, SiLU·up
-(C++), the down projection and the residual add. Linears go through `cpu_linear.packed_linear` (C++ for one
-or two rows reading the model's weights in place, oneDNN with a packed stacked copy above).
+(C++), the down projection and the residual add. Linears go through `cpu_linear.PanelLinear` (one packed copy
+of the stacked weights, C++).
 
 Supported: transformers' Llama, Mistral and Qwen2 decoder layers with SiLU MLPs, fp32 on CPU; other layers
 run unchanged.
 
-Where every decoder layer of a Llama, Mistral or Qwen2 causal LM is fused, decode steps of one or two rows skip
-even those calls: `FusedDecoder` runs all the layers in one C++ call (the same kernels in the same order), the
-embedding, rotary angles, final norm and LM head through the model's own modules. At batch 1 on SmolLM2 the
-Python between the layers was ~4 ms of a ~23 ms step.
+Where every decoder layer of a Llama, Mistral or Qwen2 causal LM is fused, decode steps skip even those calls:
+`FusedDecoder` runs all the layers, the final norm and the LM head in one C++ call (the same kernels in the
+same order, over the same packed weights), the embedding and rotary angles through the model's own modules.
+At batch 1 on SmolLM2 the Python between the layers was ~4 ms of a ~23 ms step.
 """
 
 from __future__ import annotations
@@ -63,26 +63,32 @@ class FusedLayers:
         self.model = model
         self.patched: list[nn.Module] = []
         self.linears: set[nn.Linear] = set()
-        """The linear layers the fused layers compute themselves (`PackedLinears` can skip them)."""
+        """The linear layers computed here (`PackedLinears` can skip them)."""
         self.decoder: FusedDecoder | None = None
-        """All the layers in one call for small decode steps, where the whole model is fused."""
+        """A decode step in one call, where the whole model is fused."""
 
     def __enter__(self) -> "FusedLayers":
         kernels = native.load()
         whole = FusedDecoder.supports(self.model)  # asked before the layers are patched
+        packs = {}
         for layer in self.model.modules():
             if supported(layer):
-                layer.forward = _fused_forward(layer, kernels)
-                self.patched.append(layer)
                 attn, mlp = layer.self_attn, layer.mlp
+                packs[layer] = _LayerLinears(layer)
+                layer.forward = _fused_forward(layer, packs[layer], kernels)
+                self.patched.append(layer)
                 self.linears.update([attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj])
         if whole:
-            self.decoder = FusedDecoder(self.model, kernels)
+            head = self.model.lm_head
+            self.model.lm_head.forward = pack = _stacked([head])  # the decoder's and the model's forward share it
+            self.patched.append(head)
+            self.linears.add(head)
+            self.decoder = FusedDecoder(self.model, packs, pack, kernels)
         return self
 
     def __exit__(self, *exc_info) -> None:
-        for layer in self.patched:
-            del layer.forward  # back to the class's forward
+        for module in self.patched:
+            del module.forward  # back to the class's forward
         self.patched, self.linears, self.decoder = [], set(), None
 
 
@@ -91,40 +97,43 @@ DECODER_MODELS = {"LlamaForCausalLM": "LlamaModel", "MistralForCausalLM": "Mistr
 
 
 class FusedDecoder:
-    """Decode steps of one or two rows, every decoder layer in one C++ call (`cpu_kernels.cpp`). Module hooks
-    registered on the decoder layers do not run for these steps (nor does transformers' layer forward)."""
-
-    MAX_ROWS = cpu_linear.SMALL_ROWS  # its linears are `small_linear`'s
+    """Decode steps with every decoder layer, the final norm and the LM head in one C++ call (`cpu_kernels.cpp`).
+    Module hooks registered on those modules do not run for these steps (nor does transformers' layer forward)."""
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
-        """Whether `model` is one of `DECODER_MODELS`, unmodified, with every decoder layer fusable."""
+        """Whether `model` is one of `DECODER_MODELS`, unmodified, with every decoder layer fusable and a plain
+        fp32 LM head."""
         inner = getattr(model, "model", None)
+        head = getattr(model, "lm_head", None)
         return (
             DECODER_MODELS.get(type(model).__name__) == type(inner).__name__
             and "forward" not in vars(model) and "forward" not in vars(inner)
             and len(inner.layers) == model.config.get_text_config().num_hidden_layers
             and all(supported(layer) for layer in inner.layers)
+            and type(head) is nn.Linear and "forward" not in vars(head)
+            and head.weight.dtype == torch.float32 and head.weight.device.type == "cpu"
+            and "forward" not in vars(inner.norm) and hasattr(inner.norm, "variance_epsilon")
         )
 
-    def __init__(self, model: nn.Module, kernels):
+    def __init__(self, model: nn.Module, packs: dict[nn.Module, "_LayerLinears"], head: cpu_linear.PanelLinear, kernels):
         self.model = model
         specs, eps, windows = [], [], []
+        empty = head.packed.new_empty(0)  # no bias
         for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
-            biases = [_stacked_bias(ms) for ms in (qkv, [attn.o_proj], gate_up, [mlp.down_proj])]
-            tensors = [layer.input_layernorm.weight, *(m.weight for m in qkv), biases[0], attn.o_proj.weight, biases[1],
-                       layer.post_attention_layernorm.weight, *(m.weight for m in gate_up), biases[2],
-                       mlp.down_proj.weight, biases[3]]
-            empty = attn.q_proj.weight.new_empty(0)  # no bias
-            specs.append([empty if t is None else t.detach().contiguous() for t in tensors])
+            p = packs[layer]
+            tensors = [layer.input_layernorm.weight.detach(), p.qkv.packed, p.qkv.bias, p.o.packed, p.o.bias,
+                       layer.post_attention_layernorm.weight.detach(), p.gate_up.packed, p.gate_up.bias, p.down.packed,
+                       p.down.bias]
+            specs.append([empty if t is None else t.contiguous() for t in tensors])
             eps += [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon]
             windows.append(WINDOW_OF[type(layer).__name__](layer) or 0)
         attn = model.model.layers[0].self_attn
-        dim = attn.head_dim
+        dim, norm = attn.head_dim, model.model.norm
         self.native = kernels.FusedDecoder(specs, eps, windows, attn.q_proj.out_features // dim,
-                                           attn.k_proj.out_features // dim, dim, attn.scaling)
+                                           attn.k_proj.out_features // dim, dim, attn.scaling, norm.weight.detach(),
+                                           norm.variance_epsilon, head.packed, head.out_features,
+                                           empty if head.bias is None else head.bias)
         self.argmax = kernels.argmax_rows
         """torch.argmax's tokens, off OpenMP (see `argmax_rows` in `cpu_kernels.cpp`)."""
 
@@ -133,9 +142,8 @@ class FusedDecoder:
         inner = self.model.model
         x = inner.embed_tokens(input_ids)  # [1, rows, hidden]
         cos, sin = inner.rotary_emb(x, positions[None])
-        h = self.native.forward(x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), step.keys, step.values,
-                                step.block_tables, step.group_of_layer, step.context_tensor, step.block_size)
-        return self.model.lm_head(inner.norm(h[None]))[0]
+        return self.native.forward(x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(), step.keys, step.values,
+                                   step.block_tables, step.group_of_layer, step.context_tensor, step.block_size)
 
 
 def _stacked_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
@@ -145,16 +153,25 @@ def _stacked_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
     return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
 
 
-def _stacked(linears: list[nn.Linear]):
+def _stacked(linears: list[nn.Linear]) -> cpu_linear.PanelLinear:
     """One packed linear over several that share an input (their weights stay as they are)."""
-    return cpu_linear.packed_linear([m.weight.detach() for m in linears], _stacked_bias(linears))
+    return cpu_linear.PanelLinear([m.weight.detach() for m in linears], _stacked_bias(linears))
 
 
-def _fused_forward(layer: nn.Module, kernels):
-    attn, mlp = layer.self_attn, layer.mlp
-    qkv = _stacked([attn.q_proj, attn.k_proj, attn.v_proj])
-    gate_up = _stacked([mlp.gate_proj, mlp.up_proj])
-    o_proj, down = _stacked([attn.o_proj]), _stacked([mlp.down_proj])
+class _LayerLinears:
+    """A decoder layer's four packed linears: q/k/v and gate/up stacked, o and down."""
+
+    def __init__(self, layer: nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = _stacked([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o = _stacked([attn.o_proj])
+        self.gate_up = _stacked([mlp.gate_proj, mlp.up_proj])
+        self.down = _stacked([mlp.down_proj])
+
+
+def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):
+    attn = layer.self_attn
+    qkv, o_proj, gate_up, down = linears.qkv, linears.o, linears.gate_up, linears.down
     dim = attn.head_dim
     heads, kv_heads = attn.q_proj.out_features // dim, attn.k_proj.out_features // dim
     norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm

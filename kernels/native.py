@@ -3,11 +3,11 @@ into ``<jitney cache>/kernels``; `jitney setup` builds them ahead). Where they c
 back to torch: `available()` says which.
 
 - `paged_decode`: decode rows' attention read in place through the block tables (`kernels/cpu_paged.py`).
-- `small_linear`: fp32 `x @ w.T + b` for a few rows, each weight row read once for all of them; `w` given as
-  a list of row blocks, so stacked projections need no merged copy (`kernels/cpu_linear.py`, batch-1 decode).
+- `pack_panels`, `panel_linear`: fp32 `x @ w.T + b` through weights packed in panels of 16 output features,
+  `w` given as a list of row blocks packed as one (stacked projections) (`kernels/cpu_linear.py`).
 - `rms_norm`, `rotary_`, `silu_mul`: a decoder layer's elementwise work in one pass each
   (`kernels/cpu_layers.py`).
-- `FusedDecoder`: every decoder layer of a fused model for a decode step of one or two rows, in one call
+- `FusedDecoder`: a decode step of a fused model (every decoder layer, final norm, LM head) in one call
   (`kernels/cpu_layers.py`).
 """
 

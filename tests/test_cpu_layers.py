@@ -116,8 +116,8 @@ async def test_fusing_off_keeps_transformers_layers(llama):
 
 
 @pytest.mark.parametrize("make", [None, tiny_mistral, tiny_qwen2], ids=["llama", "mistral", "qwen2"])
-@pytest.mark.parametrize("streams", [1, 2])
-async def test_small_decode_steps_run_every_layer_in_one_call_and_match_generate(llama, make, streams, kernels, monkeypatch):
+@pytest.mark.parametrize("streams", [1, 7])
+async def test_decode_steps_run_the_whole_model_in_one_call_and_match_generate(llama, make, streams, kernels, monkeypatch):
     model = llama if make is None else make()
     calls = []
     real = cpu_layers.FusedDecoder.__call__

@@ -9,18 +9,31 @@ import torch.nn.functional as F
 from jitney.kernels import cpu_linear, native
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5])
+def panel_linear(x, ws, b=None):
+    kernels = native.load()
+    return kernels.panel_linear(x, kernels.pack_panels(ws), sum(w.shape[0] for w in ws), b)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 13])
 @pytest.mark.parametrize("bias", [True, False])
-def test_small_linear_matches_f_linear(rows, bias):
-    w, x = torch.randn(300, 70), torch.randn(rows, 70)
+def test_panel_linear_matches_f_linear(rows, bias):
+    w, x = torch.randn(300, 70), torch.randn(rows, 70)  # 300 = 18 full panels of 16 and a part
     b = torch.randn(300) if bias else None
-    torch.testing.assert_close(native.load().small_linear(x, [w], b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(panel_linear(x, [w], b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
-def test_packed_linears_match_nn_linear_on_the_small_path_and_on_onednn():
+def test_panel_linear_over_several_blocks_of_rows():
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(40, 2048, generator=g), torch.randn(70, 2048, generator=g)  # blocks of 30 rows stay in L2
+    # sums of 2,048 products of about 45 each, taken in order: against the exact sums, not F.linear's rounding
+    want = F.linear(x.double(), w.double()).float()
+    torch.testing.assert_close(panel_linear(x, [w]), want, atol=2e-3, rtol=1e-4)
+
+
+def test_packed_linears_match_nn_linear():
     layer = torch.nn.Linear(64, 96)
     with torch.inference_mode():
-        for rows in (1, cpu_linear.SMALL_ROWS, cpu_linear.SMALL_ROWS + 3):
+        for rows in (1, 2, 7):
             x = torch.randn(rows, 64)
             want = layer(x)
             with cpu_linear.PackedLinears(layer):
@@ -28,29 +41,37 @@ def test_packed_linears_match_nn_linear_on_the_small_path_and_on_onednn():
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_small_linear_over_stacked_weight_blocks():
-    ws, x, b = [torch.randn(100, 64), torch.randn(37, 64), torch.randn(70, 64)], torch.randn(2, 64), torch.randn(207)
-    torch.testing.assert_close(native.load().small_linear(x, ws, b), F.linear(x, torch.cat(ws), b), atol=1e-5, rtol=1e-5)
-    with pytest.raises(RuntimeError, match="one bias per output feature"):
-        native.load().small_linear(x, ws, torch.randn(100))
+def test_panel_linear_over_stacked_weight_blocks():
+    ws, x, b = [torch.randn(100, 64), torch.randn(37, 64), torch.randn(70, 64)], torch.randn(3, 64), torch.randn(207)
+    torch.testing.assert_close(panel_linear(x, ws, b), F.linear(x, torch.cat(ws), b), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="one fp32 bias per output feature"):
+        panel_linear(x, ws, torch.randn(100))
 
 
-def test_small_linear_refuses_other_dtypes():
+def test_panel_linear_refuses_other_dtypes_and_shapes():
+    kernels = native.load()
+    with pytest.raises(RuntimeError, match="fp32 weights"):
+        kernels.pack_panels([torch.randn(4, 8, dtype=torch.float64)])
+    packed = kernels.pack_panels([torch.randn(4, 8)])
     with pytest.raises(RuntimeError, match="contiguous fp32"):
-        native.load().small_linear(torch.randn(1, 8, dtype=torch.float64), [torch.randn(4, 8, dtype=torch.float64)], None)
+        kernels.panel_linear(torch.randn(1, 8, dtype=torch.float64), packed, 4, None)
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        kernels.panel_linear(torch.randn(1, 9), packed, 4, None)
 
 
-def test_small_linear_from_two_threads_at_once():
+def test_panel_linear_from_two_threads_at_once():
     """The kernels' own thread pool takes one caller at a time; a second one meanwhile computes alone."""
     from concurrent.futures import ThreadPoolExecutor
 
-    kernel = native.load().small_linear
+    kernels = native.load()
     w = torch.randn(4096, 256)
+    packed = kernels.pack_panels([w])
     xs = [torch.randn(2, 256) for _ in range(2)]
     want = [F.linear(x, w) for x in xs]
 
     def run(i):
-        return all(torch.allclose(kernel(xs[i], [w], None), want[i], atol=1e-4, rtol=1e-4) for _ in range(200))
+        return all(torch.allclose(kernels.panel_linear(xs[i], packed, 4096, None), want[i], atol=1e-4, rtol=1e-4)
+                   for _ in range(200))
 
     with ThreadPoolExecutor(2) as pool:
         assert all(pool.map(run, [0, 1]))
@@ -60,14 +81,9 @@ def test_kernels_work_in_a_forked_child():
     """The pool's workers do not survive a fork; the child makes a pool of its own instead of waiting on them."""
     import multiprocessing
 
-    kernel = native.load().small_linear
     w, x = torch.randn(512, 64), torch.randn(2, 64)
-    kernel(x, [w], None)  # the parent's pool exists now
+    panel_linear(x, [w])  # the parent's pool exists now (two rows run on it)
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as pool:
-        got = pool.apply_async(_small_linear_in_child, (x, w)).get(timeout=60)
+        got = pool.apply_async(panel_linear, (x, [w])).get(timeout=60)
     torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
-
-
-def _small_linear_in_child(x, w):
-    return native.load().small_linear(x, [w], None)
