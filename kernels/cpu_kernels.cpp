@@ -1,6 +1,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -264,11 +265,29 @@ static inline void panel_tile(const float* xp, int64_t k, const float* panel, fl
     }
   }
   for (int r = 0; r < ROWS; ++r) {
+    float* yr = yp + r * ldy;
+    if (cols == PANEL && !bias) {
+      std::memcpy(yr, &acc[r][0], 32);
+      std::memcpy(yr + 8, &acc[r][1], 32);
+      continue;
+    }
     float out[PANEL];
     std::memcpy(out, &acc[r][0], 32);
     std::memcpy(out + 8, &acc[r][1], 32);
-    float* yr = yp + r * ldy;
     for (int64_t j = 0; j < cols; ++j) yr[j] = bias ? out[j] + bias[j] : out[j];
+  }
+}
+
+// `panel_tile` for 1 to 6 rows.
+static inline void panel_tile_rows(int64_t rows, const float* xp, int64_t k, const float* panel, float* yp, int64_t ldy,
+                                   int64_t cols, const float* bias, const float* next) {
+  switch (rows) {
+    case 6: panel_tile<6>(xp, k, panel, yp, ldy, cols, bias, next); break;
+    case 5: panel_tile<5>(xp, k, panel, yp, ldy, cols, bias, next); break;
+    case 4: panel_tile<4>(xp, k, panel, yp, ldy, cols, bias, next); break;
+    case 3: panel_tile<3>(xp, k, panel, yp, ldy, cols, bias, next); break;
+    case 2: panel_tile<2>(xp, k, panel, yp, ldy, cols, bias, next); break;
+    default: panel_tile<1>(xp, k, panel, yp, ldy, cols, bias, next); break;
   }
 }
 
@@ -290,16 +309,7 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
         for (int64_t r = first; r < last; r += TILE) {
           // the first tile brings the next panel into cache while it computes
           const float* next = r == first && p + 1 < end ? panel + k * PANEL : nullptr;
-          const float* xr = xp + r * k;
-          float* yr = yp + r * n + j;
-          switch (std::min(TILE, last - r)) {
-            case 6: panel_tile<6>(xr, k, panel, yr, n, cols, b, next); break;
-            case 5: panel_tile<5>(xr, k, panel, yr, n, cols, b, next); break;
-            case 4: panel_tile<4>(xr, k, panel, yr, n, cols, b, next); break;
-            case 3: panel_tile<3>(xr, k, panel, yr, n, cols, b, next); break;
-            case 2: panel_tile<2>(xr, k, panel, yr, n, cols, b, next); break;
-            default: panel_tile<1>(xr, k, panel, yr, n, cols, b, next); break;
-          }
+          panel_tile_rows(std::min(TILE, last - r), xp + r * k, k, panel, yp + r * n + j, n, cols, b, next);
         }
       }
     });
@@ -327,6 +337,141 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10
   auto y = torch::empty({x.size(0), n}, x.options());
   panel_rows(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>(), x.size(0) <= 2);
   return y;
+}
+
+// Attention of prefill chunks over the paged, head-major cache ([kv_heads, slots, dim]), causal (and within
+// `window`, 0: none), each chunk's own keys and values already written. Chunk j is query rows [starts[j],
+// starts[j] + qlens[j]) of q ([rows, heads, dim]), positions ctx[j] - qlens[j] .. ctx[j] - 1, its block table
+// row j of `tables`. First each chunk's keys are copied, 16 positions at a time, into panels (keys transposed,
+// values in panels of 16 dims); then one task per (chunk, KV head, tile of 8 query rows) takes the tile's
+// rows times `group` query heads against 16 keys at a time, both products `panel_tile`s, with an online
+// softmax. Keys past a row's position (or before its window) weigh nothing; groups of 16 wholly outside are
+// never read.
+void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables, torch::Tensor ctx,
+                   torch::Tensor qlens, torch::Tensor starts, torch::Tensor out, double scale, int64_t window,
+                   int64_t block_size) {
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && tables.is_contiguous() && out.is_contiguous() &&
+              q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
+              "paged_prefill: contiguous fp32 queries and head-major cache");
+  TORCH_CHECK(tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong && qlens.scalar_type() == torch::kLong &&
+              starts.scalar_type() == torch::kLong && ctx.is_contiguous() && qlens.is_contiguous() && starts.is_contiguous(),
+              "paged_prefill: int64 tables, lengths and starts");
+  constexpr int64_t ROWS = 8, KEYS = PANEL;
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k.size(0), slots = k.size(1), width = tables.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && out.sizes() == q.sizes(), "paged_prefill: shapes");
+  const int64_t group = heads / kv_heads, chunks = tables.size(0), dim_panels = (dim + PANEL - 1) / PANEL;
+  const int64_t panel_floats = dim_panels * PANEL * KEYS;  // one group of 16 keys (or of their values)
+  const int64_t *tp = tables.data_ptr<int64_t>(), *cp = ctx.data_ptr<int64_t>(), *lp = qlens.data_ptr<int64_t>(),
+                *sp = starts.data_ptr<int64_t>();
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // each chunk's groups of 16 key positions [first_group, ctx / 16], and where its panels start
+  std::vector<int64_t> first_group(chunks), groups(chunks), base(chunks + 1, 0);
+  std::vector<std::array<int64_t, 3>> copies, tasks;  // (chunk, KV head, group) and (chunk, KV head, first row)
+  for (int64_t j = 0; j < chunks; ++j) {
+    TORCH_CHECK(lp[j] <= cp[j] && -(-cp[j] / block_size) <= width && sp[j] + lp[j] <= q.size(0),
+                "paged_prefill: chunk beyond its table or the queries");
+    const int64_t lowest = window > 0 ? std::max<int64_t>(0, cp[j] - lp[j] - window + 1) : 0;
+    first_group[j] = lowest / KEYS;
+    groups[j] = (cp[j] - 1) / KEYS + 1 - first_group[j];
+    base[j + 1] = base[j] + kv_heads * groups[j] * 2 * panel_floats;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t g = 0; g < groups[j]; ++g) copies.push_back({j, h, g});
+      for (int64_t i = 0; i < lp[j]; i += ROWS) tasks.push_back({j, h, i});
+    }
+  }
+  auto panels = torch::empty({base[chunks]}, q.options());  // torch's allocation: aligned for panel_tile
+  float* pp = panels.data_ptr<float>();
+  auto panel_of = [&](int64_t j, int64_t h, int64_t g) { return pp + base[j] + (h * groups[j] + g) * 2 * panel_floats; };
+  parallel((int64_t)copies.size(), 16, false, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t j = copies[t][0], h = copies[t][1], g = copies[t][2];
+      float* kt = panel_of(j, h, g);  // [dim][16]
+      float* vt = kt + panel_floats;  // [dim / 16][16 keys][16]
+      std::fill(kt, kt + 2 * panel_floats, 0.f);
+      for (int64_t c = 0; c < KEYS; ++c) {
+        const int64_t pos = (first_group[j] + g) * KEYS + c;
+        if (pos >= cp[j]) break;
+        const int64_t slot = tp[j * width + pos / block_size] * block_size + pos % block_size;
+        const float* kr = kp + (h * slots + slot) * dim;
+        const float* vr = vp + (h * slots + slot) * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          kt[d * KEYS + c] = kr[d];
+          vt[(d / PANEL) * KEYS * PANEL + c * PANEL + d % PANEL] = vr[d];
+        }
+      }
+    }
+  });
+  const float fscale = (float)scale;
+  parallel((int64_t)tasks.size(), 1, false, [&](int64_t begin, int64_t end) {
+    const int64_t nq_max = ROWS * group;
+    std::vector<float> qs(nq_max * dim), acc(nq_max * dim), part(nq_max * dim), scores(nq_max * KEYS), mx(nq_max),
+        total(nq_max), rescale(nq_max);
+    std::vector<int64_t> lo(nq_max), hi(nq_max);  // each query's key positions [lo, hi]
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t j = tasks[t][0], h = tasks[t][1], i0 = tasks[t][2];
+      const int64_t rows = std::min(ROWS, lp[j] - i0), nq = rows * group, first_pos = cp[j] - lp[j] + i0;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t i = r * group + g;
+          const float* src = qp + ((sp[j] + i0 + r) * heads + h * group + g) * dim;
+          for (int64_t d = 0; d < dim; ++d) qs[i * dim + d] = src[d] * fscale;
+          hi[i] = first_pos + r;
+          lo[i] = window > 0 ? std::max<int64_t>(0, hi[i] - window + 1) : 0;
+        }
+      std::fill(acc.begin(), acc.begin() + nq * dim, 0.f);
+      std::fill(total.begin(), total.begin() + nq, 0.f);
+      for (int64_t kg = lo[0] / KEYS; kg <= hi[nq - 1] / KEYS; ++kg) {
+        const int64_t a = kg * KEYS;
+        const float* kt = panel_of(j, h, kg - first_group[j]);
+        for (int64_t i = 0; i < nq; i += 6)
+          panel_tile_rows(std::min<int64_t>(6, nq - i), qs.data() + i * dim, dim, kt, scores.data() + i * KEYS, KEYS,
+                          KEYS, nullptr, nullptr);
+        for (int64_t i = 0; i < nq; ++i) {  // scores -> weights (0 outside the query's keys [c0, c1))
+          const int64_t c0 = std::max<int64_t>(0, lo[i] - a), c1 = std::min(KEYS, hi[i] - a + 1);
+          float* s = scores.data() + i * KEYS;
+          rescale[i] = 1.f;
+          if (c0 >= c1) {
+            std::fill(s, s + KEYS, 0.f);
+            continue;
+          }
+          float m = *std::max_element(s + c0, s + c1);
+          if (total[i] > 0.f) {
+            if (mx[i] >= m) m = mx[i];
+            else rescale[i] = expf(mx[i] - m);  // a larger score: what was summed so far scales down
+          }
+          mx[i] = m;
+#pragma omp simd
+          for (int64_t c = 0; c < KEYS; ++c) s[c] = expf(s[c] - m);
+          std::fill(s, s + c0, 0.f);
+          std::fill(s + c1, s + KEYS, 0.f);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t c = 0; c < KEYS; ++c) sum += s[c];
+          total[i] = total[i] * rescale[i] + sum;
+        }
+        const float* vt = kt + panel_floats;
+        for (int64_t p = 0; p < dim_panels; ++p)
+          for (int64_t i = 0; i < nq; i += 6)
+            panel_tile_rows(std::min<int64_t>(6, nq - i), scores.data() + i * KEYS, KEYS, vt + p * KEYS * PANEL,
+                            part.data() + i * dim + p * PANEL, dim, std::min(PANEL, dim - p * PANEL), nullptr, nullptr);
+        for (int64_t i = 0; i < nq; ++i) {
+          float* ai = acc.data() + i * dim;
+          const float* pi = part.data() + i * dim;
+          const float f = rescale[i];
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) ai[d] = ai[d] * f + pi[d];
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t i = r * group + g;
+          float* o = op + ((sp[j] + i0 + r) * heads + h * group + g) * dim;
+          const float inv = 1.f / total[i];
+          for (int64_t d = 0; d < dim; ++d) o[d] = acc[i * dim + d] * inv;
+        }
+    }
+  });
 }
 
 // Rows per parallel task for elementwise kernels: enough work per task that small steps stay on one thread.
@@ -583,6 +728,7 @@ class FusedDecoder {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode", &paged_decode, nogil);
+  m.def("paged_prefill", &paged_prefill, nogil);
   m.def("pack_panels", &pack_panels);
   m.def("panel_linear", &panel_linear, nogil);
   m.def("rms_norm", &rms_norm, nogil);

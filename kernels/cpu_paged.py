@@ -1,17 +1,19 @@
-"""The CPU backend: decode rows through a C++ kernel (`kernels/native.py`) that reads K/V in place through
-the block tables (no gather copy, only each row's own context); prefill chunks as in the torch backend."""
+"""The CPU backend: decode rows and prefill chunks through C++ kernels (`kernels/native.py`) that read K/V in
+place through the block tables (no gather copy, only each row's own context, causal keys only)."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
 from jitney.kernels import native
-from jitney.kernels.base import StepInputs
+from jitney.kernels.base import StepInputs, int_tensor
 from jitney.kernels.torch_paged import TorchPagedAttention, _TorchStep
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """fp32 decode rows read the cache in place; everything else as `TorchPagedAttention`."""
+    """fp32 attention reading the cache in place; the K/V writes as `TorchPagedAttention`."""
 
     def __init__(self):
         self.kernel = native.load()
@@ -30,6 +32,14 @@ class _CpuStep(_TorchStep):
         self.dec_tables = [t[:nd].contiguous() for t in step.block_tables]
         self.dec_ctx = step.context_tensor[:nd].contiguous()
 
+    def _init_prefill(self, step: StepInputs) -> None:
+        nd = self.nd
+        lens = step.query_lens[nd:]
+        self.pre_tables = [t[nd:].contiguous() for t in step.block_tables]
+        self.pre_ctx = step.context_tensor[nd:].contiguous()
+        self.pre_qlens = int_tensor(lens, self.pre_ctx.device)
+        self.pre_starts = int_tensor([0, *itertools.accumulate(lens)][:-1], self.pre_ctx.device)
+
     def _decode(self, g, kc, vc, q, scaling, sliding_window) -> torch.Tensor:
         if q.dtype != torch.float32:
             raise NotImplementedError("the CPU attention kernel is fp32 only; use attention_backend='torch'")
@@ -37,4 +47,13 @@ class _CpuStep(_TorchStep):
         # the cache is stored head-major: its transpose is contiguous
         self.kernel.paged_decode(q.transpose(0, 1).contiguous(), kc.transpose(0, 1), vc.transpose(0, 1),
                                  self.dec_tables[g], self.dec_ctx, out, scaling, sliding_window or 0, self.block_size)
+        return out
+
+    def _prefill(self, g, kc, vc, q, key, value, scaling, sliding_window) -> torch.Tensor:
+        if q.dtype != torch.float32:
+            raise NotImplementedError("the CPU attention kernel is fp32 only; use attention_backend='torch'")
+        qp = q[:, self.nd :].transpose(0, 1).contiguous()  # [T - nd, H, D]
+        out = torch.empty_like(qp)
+        self.kernel.paged_prefill(qp, kc.transpose(0, 1), vc.transpose(0, 1), self.pre_tables[g], self.pre_ctx,
+                                  self.pre_qlens, self.pre_starts, out, scaling, sliding_window or 0, self.block_size)
         return out

@@ -36,22 +36,26 @@ class _TorchStep:
         if nd:
             self._init_decode(step)
 
-        np_ = self.np = len(step.query_lens) - nd
-        if np_:  # (a static step has none: nothing here may copy from the host during a graph capture)
-            qlens = int_tensor(step.query_lens, device)
-            pq, pctx = qlens[nd:], ctx[nd:]
-            wp = -(-max(step.context_lens[nd:]) // bs)
-            self.qmax, self.lp = max(step.query_lens[nd:]), wp * bs
-            starts = torch.cumsum(qlens, 0)[nd:] - pq  # first row of each chunk in the flat batch
-            i = torch.arange(self.qmax, device=device)
-            clipped = torch.minimum(i[None, :], pq[:, None] - 1)  # padding query rows repeat the chunk's last row
-            self.pre_rows = (starts[:, None] + clipped).view(-1)
-            self.pre_qpos = pctx[:, None] - pq[:, None] + clipped  # [P, qmax] absolute positions
-            self.pre_unpad = (torch.arange(np_, device=device)[:, None] * self.qmax + i[None, :])[i[None, :] < pq[:, None]]
-            self.pre_kpos = torch.arange(self.lp, device=device).expand(np_, self.lp)
-            self.pre_blocks = [t[nd:, :wp].reshape(-1) for t in tables]
-            # A single chunk that starts a prompt attends only to itself: plain causal attention, no gather.
-            self.fresh = np_ == 1 and step.context_lens[nd] == step.query_lens[nd]
+        self.np = len(step.query_lens) - nd
+        if self.np:  # (a static step has none: nothing here may copy from the host during a graph capture)
+            self._init_prefill(step)
+
+    def _init_prefill(self, step: StepInputs) -> None:
+        nd, np_, bs, device = self.nd, self.np, self.block_size, step.positions.device
+        qlens = int_tensor(step.query_lens, device)
+        pq, pctx = qlens[nd:], step.context_tensor[nd:]
+        wp = -(-max(step.context_lens[nd:]) // bs)
+        self.qmax, self.lp = max(step.query_lens[nd:]), wp * bs
+        starts = torch.cumsum(qlens, 0)[nd:] - pq  # first row of each chunk in the flat batch
+        i = torch.arange(self.qmax, device=device)
+        clipped = torch.minimum(i[None, :], pq[:, None] - 1)  # padding query rows repeat the chunk's last row
+        self.pre_rows = (starts[:, None] + clipped).view(-1)
+        self.pre_qpos = pctx[:, None] - pq[:, None] + clipped  # [P, qmax] absolute positions
+        self.pre_unpad = (torch.arange(np_, device=device)[:, None] * self.qmax + i[None, :])[i[None, :] < pq[:, None]]
+        self.pre_kpos = torch.arange(self.lp, device=device).expand(np_, self.lp)
+        self.pre_blocks = [t[nd:, :wp].reshape(-1) for t in step.block_tables]
+        # A single chunk that starts a prompt attends only to itself: plain causal attention, no gather.
+        self.fresh = np_ == 1 and step.context_lens[nd] == step.query_lens[nd]
 
     def _init_decode(self, step: StepInputs) -> None:
         # Contexts are gathered block by block (whole blocks of each table, padding blocks included), so a

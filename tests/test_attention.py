@@ -41,14 +41,24 @@ def cpu_backend():
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_attention_matches_dense(backend, block_size, heads, kv_heads, window):
+    # (cached tokens, new tokens): decodes first, then prefill chunks, some continuing a cached prefix,
+    # one longer than a Triton query tile.
+    check_against_dense(backend, block_size, heads, kv_heads, window, 8, [(5, 1), (17, 1), (0, 1), (0, 9), (6, 3), (13, 7), (2, 21)])
+
+
+@pytest.mark.parametrize("dim", [40, 64])
+@pytest.mark.parametrize("window", [None, 20])
+def test_cpu_prefill_over_many_key_groups_matches_dense(dim, window):
+    """Chunks that span several groups of 16 keys, a head size that is not a multiple of 16, SmolLM2's head
+    grouping (9 query heads on 3 KV heads)."""
+    check_against_dense(cpu_backend, 16, 9, 3, window, dim, [(30, 1), (0, 70), (45, 38), (100, 5)])
+
+
+def check_against_dense(backend, block_size, heads, kv_heads, window, dim, shapes):
     # Fresh random inputs each run: the seed is not fixed.
-    dim = 8
     cache = CacheManager(1, kv_heads, dim, block_size, 64, torch.float32, torch.device("cpu"))
     for store in cache.keys + cache.values:  # poison every slot no request writes
         store[: 64 * block_size] = float("nan")
-    # (cached tokens, new tokens): decodes first, then prefill chunks, some continuing a cached prefix,
-    # one longer than a Triton query tile.
-    shapes = [(5, 1), (17, 1), (0, 1), (0, 9), (6, 3), (13, 7), (2, 21)]
     full_k = [torch.randn(kv_heads, c + n, dim) for c, n in shapes]
     full_v = [torch.randn(kv_heads, c + n, dim) for c, n in shapes]
     for i, (c, n) in enumerate(shapes):
@@ -60,8 +70,9 @@ def test_paged_attention_matches_dense(backend, block_size, heads, kv_heads, win
             cache.values[0][slots] = full_v[i][:, :c].transpose(0, 1)
     tables = [cache.block_table(str(i), 0) for i in range(len(shapes))]
     width = max(map(len, tables))
+    decodes = next(i for i, (_, n) in enumerate(shapes) if n > 1)  # the rows of one new token come first
     step = StepInputs(
-        query_lens=[n for _, n in shapes], context_lens=[c + n for c, n in shapes], num_decodes=3,
+        query_lens=[n for _, n in shapes], context_lens=[c + n for c, n in shapes], num_decodes=decodes,
         positions=torch.cat([torch.arange(c, c + n) for c, n in shapes]),
         block_tables=[torch.tensor([t + [64] * (width - len(t)) for t in tables])], group_of_layer=[0],
         block_size=block_size, padding_slot=cache.padding_slot, keys=cache.keys, values=cache.values,
