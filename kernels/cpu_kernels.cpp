@@ -342,11 +342,11 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10
 // Attention of prefill chunks over the paged, head-major cache ([kv_heads, slots, dim]), causal (and within
 // `window`, 0: none), each chunk's own keys and values already written. Chunk j is query rows [starts[j],
 // starts[j] + qlens[j]) of q ([rows, heads, dim]), positions ctx[j] - qlens[j] .. ctx[j] - 1, its block table
-// row j of `tables`. First each chunk's keys are copied, 16 positions at a time, into panels (keys transposed,
-// values in panels of 16 dims); then one task per (chunk, KV head, tile of 8 query rows) takes the tile's
-// rows times `group` query heads against 16 keys at a time, both products `panel_tile`s, with an online
-// softmax. Keys past a row's position (or before its window) weigh nothing; groups of 16 wholly outside are
-// never read.
+// row j of `tables`. First each chunk's keys are copied into panels (16 positions at a time, transposed) and
+// its values into panels of 16 dims; then one task per (chunk, KV head, tile of 8 query rows) takes the
+// tile's rows times `group` query heads against 64 keys at a time, both products `panel_tile`s, with an
+// online softmax. Keys past a row's position (or before its window) weigh nothing; groups of 16 wholly
+// outside are never read.
 void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables, torch::Tensor ctx,
                    torch::Tensor qlens, torch::Tensor starts, torch::Tensor out, double scale, int64_t window,
                    int64_t block_size) {
@@ -356,11 +356,12 @@ void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
   TORCH_CHECK(tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong && qlens.scalar_type() == torch::kLong &&
               starts.scalar_type() == torch::kLong && ctx.is_contiguous() && qlens.is_contiguous() && starts.is_contiguous(),
               "paged_prefill: int64 tables, lengths and starts");
-  constexpr int64_t ROWS = 8, KEYS = PANEL;
+  constexpr int64_t ROWS = 8, KEYS = PANEL, SPAN = 4 * KEYS;
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k.size(0), slots = k.size(1), width = tables.size(1);
   TORCH_CHECK(heads % kv_heads == 0 && out.sizes() == q.sizes(), "paged_prefill: shapes");
   const int64_t group = heads / kv_heads, chunks = tables.size(0), dim_panels = (dim + PANEL - 1) / PANEL;
   const int64_t panel_floats = dim_panels * PANEL * KEYS;  // one group of 16 keys (or of their values)
+  // per chunk and KV head: its key groups' panels, [groups][dim][16], then its values, [dim / 16][keys][16]
   const int64_t *tp = tables.data_ptr<int64_t>(), *cp = ctx.data_ptr<int64_t>(), *lp = qlens.data_ptr<int64_t>(),
                 *sp = starts.data_ptr<int64_t>();
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
@@ -382,13 +383,16 @@ void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
   }
   auto panels = torch::empty({base[chunks]}, q.options());  // torch's allocation: aligned for panel_tile
   float* pp = panels.data_ptr<float>();
-  auto panel_of = [&](int64_t j, int64_t h, int64_t g) { return pp + base[j] + (h * groups[j] + g) * 2 * panel_floats; };
+  auto keys_of = [&](int64_t j, int64_t h) { return pp + base[j] + h * groups[j] * 2 * panel_floats; };
+  auto values_of = [&](int64_t j, int64_t h) { return keys_of(j, h) + groups[j] * panel_floats; };
   parallel((int64_t)copies.size(), 16, false, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t j = copies[t][0], h = copies[t][1], g = copies[t][2];
-      float* kt = panel_of(j, h, g);  // [dim][16]
-      float* vt = kt + panel_floats;  // [dim / 16][16 keys][16]
-      std::fill(kt, kt + 2 * panel_floats, 0.f);
+      float* kt = keys_of(j, h) + g * panel_floats;
+      float* vt = values_of(j, h) + g * KEYS * PANEL;  // this group's 16 keys in each panel of 16 dims
+      const int64_t panel_stride = groups[j] * KEYS * PANEL;
+      std::fill(kt, kt + panel_floats, 0.f);
+      for (int64_t p = 0; p < dim_panels; ++p) std::fill(vt + p * panel_stride, vt + p * panel_stride + KEYS * PANEL, 0.f);
       for (int64_t c = 0; c < KEYS; ++c) {
         const int64_t pos = (first_group[j] + g) * KEYS + c;
         if (pos >= cp[j]) break;
@@ -397,7 +401,7 @@ void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
         const float* vr = vp + (h * slots + slot) * dim;
         for (int64_t d = 0; d < dim; ++d) {
           kt[d * KEYS + c] = kr[d];
-          vt[(d / PANEL) * KEYS * PANEL + c * PANEL + d % PANEL] = vr[d];
+          vt[(d / PANEL) * panel_stride + c * PANEL + d % PANEL] = vr[d];
         }
       }
     }
@@ -405,7 +409,7 @@ void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
   const float fscale = (float)scale;
   parallel((int64_t)tasks.size(), 1, false, [&](int64_t begin, int64_t end) {
     const int64_t nq_max = ROWS * group;
-    std::vector<float> qs(nq_max * dim), acc(nq_max * dim), part(nq_max * dim), scores(nq_max * KEYS), mx(nq_max),
+    std::vector<float> qs(nq_max * dim), acc(nq_max * dim), part(nq_max * dim), scores(nq_max * SPAN), mx(nq_max),
         total(nq_max), rescale(nq_max);
     std::vector<int64_t> lo(nq_max), hi(nq_max);  // each query's key positions [lo, hi]
     for (int64_t t = begin; t < end; ++t) {
@@ -421,18 +425,23 @@ void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
         }
       std::fill(acc.begin(), acc.begin() + nq * dim, 0.f);
       std::fill(total.begin(), total.begin() + nq, 0.f);
-      for (int64_t kg = lo[0] / KEYS; kg <= hi[nq - 1] / KEYS; ++kg) {
-        const int64_t a = kg * KEYS;
-        const float* kt = panel_of(j, h, kg - first_group[j]);
-        for (int64_t i = 0; i < nq; i += 6)
-          panel_tile_rows(std::min<int64_t>(6, nq - i), qs.data() + i * dim, dim, kt, scores.data() + i * KEYS, KEYS,
-                          KEYS, nullptr, nullptr);
+      const float* kh = keys_of(j, h);
+      const float* vh = values_of(j, h);
+      const int64_t first_key = first_group[j] * KEYS, panel_stride = groups[j] * KEYS * PANEL;
+      for (int64_t a = lo[0] / KEYS * KEYS; a <= hi[nq - 1]; a += SPAN) {
+        const int64_t span = std::min(SPAN, (hi[nq - 1] / KEYS + 1) * KEYS - a);  // keys in this span, a multiple of 16
+        for (int64_t c = 0; c < span; c += KEYS) {
+          const float* kt = kh + (a + c - first_key) / KEYS * panel_floats;
+          for (int64_t i = 0; i < nq; i += 6)
+            panel_tile_rows(std::min<int64_t>(6, nq - i), qs.data() + i * dim, dim, kt, scores.data() + i * span + c,
+                            span, KEYS, nullptr, nullptr);
+        }
         for (int64_t i = 0; i < nq; ++i) {  // scores -> weights (0 outside the query's keys [c0, c1))
-          const int64_t c0 = std::max<int64_t>(0, lo[i] - a), c1 = std::min(KEYS, hi[i] - a + 1);
-          float* s = scores.data() + i * KEYS;
+          const int64_t c0 = std::max<int64_t>(0, lo[i] - a), c1 = std::min(span, hi[i] - a + 1);
+          float* s = scores.data() + i * span;
           rescale[i] = 1.f;
           if (c0 >= c1) {
-            std::fill(s, s + KEYS, 0.f);
+            std::fill(s, s + span, 0.f);
             continue;
           }
           float m = *std::max_element(s + c0, s + c1);
@@ -442,19 +451,19 @@ void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
           }
           mx[i] = m;
 #pragma omp simd
-          for (int64_t c = 0; c < KEYS; ++c) s[c] = expf(s[c] - m);
+          for (int64_t c = 0; c < span; ++c) s[c] = expf(s[c] - m);
           std::fill(s, s + c0, 0.f);
-          std::fill(s + c1, s + KEYS, 0.f);
+          std::fill(s + c1, s + span, 0.f);
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t c = 0; c < KEYS; ++c) sum += s[c];
+          for (int64_t c = 0; c < span; ++c) sum += s[c];
           total[i] = total[i] * rescale[i] + sum;
         }
-        const float* vt = kt + panel_floats;
         for (int64_t p = 0; p < dim_panels; ++p)
           for (int64_t i = 0; i < nq; i += 6)
-            panel_tile_rows(std::min<int64_t>(6, nq - i), scores.data() + i * KEYS, KEYS, vt + p * KEYS * PANEL,
-                            part.data() + i * dim + p * PANEL, dim, std::min(PANEL, dim - p * PANEL), nullptr, nullptr);
+            panel_tile_rows(std::min<int64_t>(6, nq - i), scores.data() + i * span, span,
+                            vh + p * panel_stride + (a - first_key) * PANEL, part.data() + i * dim + p * PANEL, dim,
+                            std::min(PANEL, dim - p * PANEL), nullptr, nullptr);
         for (int64_t i = 0; i < nq; ++i) {
           float* ai = acc.data() + i * dim;
           const float* pi = part.data() + i * dim;
