@@ -56,8 +56,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     attention_backend: str | None = None
     """Name of a registered attention backend; `None` chooses by device."""
     pack_cpu_weights: bool | None = None
-    """On CPU, run fp32 linear layers through oneDNN with prepacked weights (faster; keeps a packed copy of the
-    weights while the engine runs). `None`: on where available."""
+    """On CPU, run fp32 linear layers through packed weights (`kernels/cpu_linear.py`: jitney's C++ kernel, or
+    oneDNN where it cannot be built; faster, keeps a packed copy of the weights while the engine runs). `None`:
+    on where available."""
     fuse_cpu_layers: bool | None = None
     """On CPU, run Llama-like fp32 decoder layers (Llama, Mistral, Qwen2) as a dozen calls each: C++ RMSNorm,
     rotary and SiLU, one linear each over the q/k/v and the gate/up weights stacked (`kernels/cpu_layers.py`).

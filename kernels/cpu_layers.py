@@ -80,10 +80,10 @@ class FusedLayers:
                 self.linears.update([attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj])
         if whole:
             head = self.model.lm_head
-            self.model.lm_head.forward = pack = _stacked([head])  # the decoder's and the model's forward share it
+            head.forward = packed_head = _stacked([head])  # the decoder's and the model's forward share it
             self.patched.append(head)
             self.linears.add(head)
-            self.decoder = FusedDecoder(self.model, packs, pack, kernels)
+            self.decoder = FusedDecoder(self.model, packs, packed_head, kernels)
         return self
 
     def __exit__(self, *exc_info) -> None:

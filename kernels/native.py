@@ -2,7 +2,8 @@
 into ``<jitney cache>/kernels``; `jitney setup` builds them ahead). Where they cannot be built, callers fall
 back to torch: `available()` says which.
 
-- `paged_decode`: decode rows' attention read in place through the block tables (`kernels/cpu_paged.py`).
+- `paged_decode`, `paged_prefill`: attention of decode rows and of prefill chunks, read in place through the
+  block tables (`kernels/cpu_paged.py`).
 - `pack_panels`, `panel_linear`: fp32 `x @ w.T + b` through weights packed in panels of 16 output features,
   `w` given as a list of row blocks packed as one (stacked projections) (`kernels/cpu_linear.py`).
 - `rms_norm`, `rotary_`, `silu_mul`: a decoder layer's elementwise work in one pass each

@@ -87,3 +87,15 @@ def test_kernels_work_in_a_forked_child():
     with ctx.Pool(1) as pool:
         got = pool.apply_async(panel_linear, (x, [w])).get(timeout=60)
     torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linears_fall_back_to_onednn_without_the_kernels(monkeypatch):
+    layer = torch.nn.Linear(64, 96)
+    monkeypatch.setattr(native, "available", lambda: False)
+    with torch.inference_mode():
+        x = torch.randn(5, 64)
+        want = layer(x)
+        with cpu_linear.PackedLinears(layer):
+            assert not isinstance(layer.forward, cpu_linear.PanelLinear)
+            got = layer(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
