@@ -99,3 +99,15 @@ def test_packed_linears_fall_back_to_onednn_without_the_kernels(monkeypatch):
             assert not isinstance(layer.forward, cpu_linear.PanelLinear)
             got = layer(x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_weights_outlive_the_others_of_their_chunk():
+    """Packs share 2 MiB-aligned chunks (huge pages); each keeps its chunk alive until the last one goes."""
+    kernels = native.load()
+    ws = [torch.randn(96, 64) for _ in range(3)]
+    packs = [kernels.pack_panels([w]) for w in ws]
+    del packs[0], packs[0]  # the first two
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(kernels.panel_linear(x, packs[0], 96, None), F.linear(x, ws[2]), atol=1e-5, rtol=1e-5)
+    big = kernels.pack_panels([torch.randn(40 << 20 >> 8, 64)])  # 40 MiB: a chunk of its own, larger than 32 MiB
+    assert big.data_ptr() % (2 << 20) == 0
