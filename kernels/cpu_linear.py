@@ -2,9 +2,10 @@
 
 `PanelLinear` packs the weight into panels of 16 output features (C++ `pack_panels` / `panel_linear`,
 `kernels/cpu_kernels.cpp`): a register-tiled kernel that reads each weight once per step and reuses it across
-up to six rows at a time. Over SmolLM2's projection shapes on this project's 2-core machine it ran 1.3–1.6x
-faster than oneDNN's prepacked matmul from 1 to 64 rows and 1.05–1.2x at 128–512 (the same process, alternate
-runs), and faster than the plain-weight kernel it replaced at one or two rows. Where the C++ kernels cannot be
+up to six rows at a time. Over SmolLM2's decoder linears on this project's 2-core machine it ran 1.2–2.1x
+faster than oneDNN's prepacked matmul from 1 to 64 rows and 1.15–1.25x at 128–256 (the same process; table in
+docs/benchmarks.md), and faster than the plain-weight kernel it replaced at one or two rows. The packed copies
+sit on transparent huge pages where the OS offers them (`pack_panels`). Where the C++ kernels cannot be
 built, oneDNN's prepacked matmul is used instead. Either keeps one packed copy of each weight while an engine
 runs (SmolLM2: +0.5 GB) and differs from `F.linear` by float rounding only.
 """
