@@ -180,7 +180,7 @@ class CacheManager:
     def slide(self, request_id: str, num_computed: int) -> None:
         """Give back the blocks of sliding-window groups that no later query can see: every position up to
         ``num_computed - window`` is out of reach of the tokens still to come."""
-        tables = self._tables.get(request_id) if self.sliding else None
+        tables = self._tables.get(request_id)
         if tables is None:
             return
         for group, pool, table in zip(self.groups, self.pools, tables):

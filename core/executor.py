@@ -13,7 +13,7 @@ from jitney.core.graphs import StaticDecoder, StaticDecodeStep
 from jitney.core.request import SamplingParams
 from jitney.core.sampling import sample
 from jitney.core.sequence import Sequence
-from jitney.kernels.base import STEP_KWARG, AttentionBackend, StepInputs, int_tensor
+from jitney.kernels.base import STEP_KWARG, AttentionBackend, StepInputs, int_table, int_tensor
 
 
 @dataclass
@@ -102,12 +102,7 @@ class StepExecutor:
         tables = []
         for g, group_rows in enumerate(rows):
             width = max(len(r) for r in group_rows)
-            pad = cache.pools[g].padding_block
-            flat: list[int] = []
-            for r in group_rows:
-                flat += r
-                flat += [pad] * (width - len(r))
-            tables.append(int_tensor(flat, self.device).view(len(group_rows), width))
+            tables.append(int_table(group_rows, width, cache.pools[g].padding_block, device=self.device))
         pos = int_tensor(positions, self.device)
         step = StepInputs(
             query_lens=qlens, context_lens=ctx, num_decodes=sum(1 for n in qlens if n == 1), positions=pos,

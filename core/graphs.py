@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from jitney.cache.manager import CacheManager
-from jitney.kernels.base import STEP_KWARG, AttentionBackend, StepInputs, int_tensor
+from jitney.kernels.base import STEP_KWARG, AttentionBackend, StepInputs, int_table, int_tensor
 
 
 def padded(n: int, interval: int) -> int:
@@ -72,13 +72,7 @@ class StaticDecodeStep:
         self.positions.copy_(int_tensor(positions + [0] * pad_rows))
         self.context.copy_(int_tensor([p + 1 for p in positions] + [1] * pad_rows))
         for g, (width, pool) in enumerate(zip(self.shape.widths, self.cache.pools)):
-            pad = pool.padding_block
-            flat: list[int] = []
-            for t in tables[g]:
-                flat += t
-                flat += [pad] * (width - len(t))
-            flat += [pad] * (width * pad_rows)
-            self.tables[g].copy_(int_tensor(flat).view(r, width))
+            self.tables[g].copy_(int_table(tables[g], width, pool.padding_block, r))
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables[g], positions)]
             self.slots[g].copy_(int_tensor(slots + [self.cache.padding_slot] * pad_rows))
         self.num_rows = n

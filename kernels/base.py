@@ -18,6 +18,19 @@ def int_tensor(values: list[int], device: torch.device | None = None) -> torch.T
     return t if device is None or device.type == "cpu" else t.to(device)
 
 
+def int_table(rows: list[list[int]], width: int, pad: int, num_rows: int | None = None,
+              device: torch.device | None = None) -> torch.Tensor:
+    """[num_rows, width] int64: each of `rows` padded with `pad` to `width`, then rows of `pad` only (block
+    tables, one flat list on the way: `torch.tensor` on nested lists is several times slower)."""
+    num_rows = len(rows) if num_rows is None else num_rows
+    flat: list[int] = []
+    for r in rows:
+        flat += r
+        flat += [pad] * (width - len(r))
+    flat += [pad] * (width * (num_rows - len(rows)))
+    return int_tensor(flat, device).view(num_rows, width)
+
+
 ATTN_NAME = "jitney"
 STEP_KWARG = "jitney_step"  # the forward keyword that carries a step's metadata down to every layer
 
