@@ -55,6 +55,7 @@ class Engine:
         self.executor = StepExecutor(model, self.cache, backend)
         self.executor.static, self.async_batching = self._plan_static_steps(backend, param.device)
         self.stop_ids = _stop_ids(model, tokenizer)
+        self._default_stops = frozenset(self.stop_ids)  # one set shared by the requests that use it (stays cached)
         offload = registry(self.plugins, "offload backend").create(config.offload_backend, config, self.cache)
         self.preempter = Preempter(self, offload)
         self.waiting: list[Sequence] = []
@@ -201,7 +202,8 @@ class Engine:
                 f"request needs {total} tokens of cache; the whole cache holds "
                 f"{self.cache.num_blocks * self.cache.block_size} (raise num_blocks or lower max_new_tokens)"
             )
-        stop = frozenset() if request.params.ignore_eos else frozenset(request.params.stop_token_ids or self.stop_ids)
+        stop = _NO_STOPS if request.params.ignore_eos else (
+            frozenset(request.params.stop_token_ids) if request.params.stop_token_ids else self._default_stops)
         seq = Sequence(request, prompt_ids, stop, self._arrivals)
         # Further samples wait on the first one and fork from it once the prompt is in the cache.
         seq.forks = [Sequence(request, prompt_ids, stop, self._arrivals, seq.collector, i) for i in range(1, request.params.n)]
@@ -369,27 +371,47 @@ class Engine:
                 raise RuntimeError(f"scheduler {self.config.scheduler!r} returned an empty batch with work waiting")
 
     def _apply(self, entries: list[tuple[Sequence, int]], tokens: list[list[int] | None]) -> None:
+        # Once per token of every running request: kept to the objects a decode needs (measured cold, as after
+        # a real forward, each object touched costs about as much as the work on it).
         now = time.perf_counter()
         cache = self.cache
         bs = cache.block_size
+        sliding = cache.sliding
+        decoding = RequestStatus.DECODING
         for (seq, n), drawn in zip(entries, tokens):
-            if seq.status.done:  # aborted while its forward ran
+            status = seq.status
+            if status is not decoding and status.done:  # aborted while its forward ran
                 continue
-            seq.num_computed += n
-            if seq.num_computed // bs != (seq.num_computed - n) // bs:  # a block completed: hash it
+            computed = seq.num_computed = seq.num_computed + n
+            if computed // bs != (computed - n) // bs:  # a block completed: hash it
                 cache.commit(seq)
-            if cache.sliding:
-                cache.slide(seq.request_id, seq.num_computed)
+            if sliding:
+                cache.slide(seq.request_id, computed)
             if drawn is None:
-                self.events.append(ev.PrefillChunk(t=now, request_id=seq.request_id, tokens=n, computed=seq.num_computed))
-                continue
-            if seq.forks:
-                forks, seq.forks = seq.forks, []
-                for child, tok in zip(forks, drawn[1:]):
-                    self._fork(seq, child)
-                    self._emit(child, tok, now)
-            self._emit(seq, drawn[0], now)
+                self.events.append(ev.PrefillChunk(t=now, request_id=seq.request_id, tokens=n, computed=computed))
+            elif status is decoding:
+                self._emit(seq, drawn[0], now)
+            else:
+                self._first_tokens(seq, drawn, now)
         self._wake_streams()
+
+    def _first_tokens(self, seq: Sequence, drawn: list[int], now: float) -> None:
+        """A prompt is done (first computed, or again after a soft reset): its samples fork and take their
+        tokens."""
+        if seq.forks:
+            forks, seq.forks = seq.forks, []
+            for child, tok in zip(forks, drawn[1:]):
+                self._fork(seq, child)
+                self._first_token(child, now)
+                self._emit(child, tok, now)
+        seq.status = RequestStatus.DECODING
+        self._first_token(seq, now)
+        self._emit(seq, drawn[0], now)
+
+    def _first_token(self, seq: Sequence, now: float) -> None:
+        if seq.t_first_token is None:
+            seq.t_first_token = now
+            self.events.append(ev.FirstToken(t=now, request_id=seq.request_id, ttft=now - seq.t_queued))
 
     def _wake_streams(self) -> None:
         """Wake the consumers of this step's tokens, once each (a request's samples share one)."""
@@ -410,27 +432,23 @@ class Engine:
         """Record a sampled token, hand it to the consumer, and finish the sample on a stop token or length."""
         out = seq.output_ids
         out.append(tok)
-        if seq.t_first_token is None:
-            seq.t_first_token = now
-            if seq.status is not RequestStatus.PENDING:
-                seq.status = RequestStatus.DECODING
-            self.events.append(ev.FirstToken(t=now, request_id=seq.request_id, ttft=now - seq.t_queued))
         count = len(out)
         self.events.append(ev.TokensGenerated(t=now, request_id=seq.request_id, tokens=1, total=count))
         collector = seq.collector
-        if not collector.pending:  # the first token for it this step (or since its consumer last read)
+        pending = collector.pending
+        if not pending:  # the first token for it this step (or since its consumer last read)
             self._woken.append(collector)
-        collector.push(seq.index, tok)
-        if tok in seq.stop_ids or (seq.params.stop and self._hit_stop_string(seq)):
+        pending.append((seq.index, tok))
+        if tok in seq.stop_ids or (seq.stop_strings and self._hit_stop_string(seq)):
             self._finish(seq, "stop")
-        elif count >= seq.params.max_new_tokens:
+        elif count >= seq.max_new_tokens:
             self._finish(seq, "length")
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         # Decode only a window at the end: enough for the longest stop string plus the new token's text.
-        window = max(map(len, seq.params.stop)) + 16
+        window = max(map(len, seq.stop_strings)) + 16
         tail = self.decode(seq.output_ids[-window:])
-        return cut_at_stop(tail, seq.params.stop)[1]
+        return cut_at_stop(tail, seq.stop_strings)[1]
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         self.cache.release(seq.request_id)
@@ -484,6 +502,9 @@ class Engine:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+_NO_STOPS: frozenset[int] = frozenset()
 
 
 def _default_attention(param: torch.Tensor) -> str:

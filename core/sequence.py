@@ -17,20 +17,19 @@ class Collector:
     slow consumer never holds the engine back and never sees an unbounded queue of wake-ups.
     """
 
+    __slots__ = ("samples", "pending", "ready", "open")
+
     def __init__(self) -> None:
         self.samples: list[Sequence] = []
-        self.pending: list[tuple[int, int]] = []  # (sample index, token id)
+        # (sample index, token id): the engine appends a step's tokens, then calls `wake` once (waking a task is
+        # most of the cost of a hand-over)
+        self.pending: list[tuple[int, int]] = []
         self.ready = anyio.Event()
         self.open = 0  # samples not ended yet
 
     @property
     def done(self) -> bool:
         return self.open == 0
-
-    def push(self, index: int, token_id: int) -> None:
-        """Hand over a new token of sample `index` without waking the consumer: the caller calls `wake` once it has
-        pushed a step's tokens (waking a task is most of the cost of a hand-over)."""
-        self.pending.append((index, token_id))
 
     def wake(self) -> None:
         self.ready.set()
@@ -59,7 +58,7 @@ class Sequence:
     __slots__ = (
         "request", "request_id", "params", "prompt_ids", "output_ids", "num_computed", "status", "arrival",
         "stop_ids", "generator", "finish_reason", "error", "collector", "index", "forks", "t_queued",
-        "t_first_token",
+        "t_first_token", "max_new_tokens", "stop_strings",
     )
 
     def __init__(
@@ -70,6 +69,9 @@ class Sequence:
         self.index = index
         self.request_id: str = request.request_id if index == 0 else f"{request.request_id}#{index}"  # type: ignore
         self.params = request.params
+        # read for every token: kept here so that a step does not touch the params
+        self.max_new_tokens = self.params.max_new_tokens
+        self.stop_strings = self.params.stop
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
         self.num_computed = 0

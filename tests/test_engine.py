@@ -9,7 +9,7 @@ from support import random_requests, reference, tiny_gemma2, tiny_mistral
 from jitney import Engine, EngineConfig, Request, RequestError, SamplingParams
 from jitney.core import events as ev
 from jitney.core.hooks import hookimpl
-from jitney.core.request import Priority
+from jitney.core.request import Priority, RequestStatus
 
 
 async def run_all(engine: Engine, requests: list[Request]):
@@ -57,12 +57,14 @@ async def test_sliding_window_model_matches_generate():
 async def test_soft_reset_under_a_small_cache_keeps_tokens(llama):
     work = random_requests(8, llama.config.vocab_size, max_prompt=20, max_new=30, seed=5)
     refs = [reference(llama, p, n) for p, n in work]
-    seen = []
+    seen, misreported = [], []
 
     class Recorder:
         @hookimpl
         def jitney_on_events(self, events, engine):
             seen.extend(e for e in events if isinstance(e, ev.RequestSoftReset))
+            # a request decoding again after its reset says so
+            misreported.extend(s.status for s in engine.active if s.output_ids and s.remaining == 1 and s.status is not RequestStatus.DECODING)
 
     # 16 blocks of 4 tokens: far less than the 8 requests need together.
     config = EngineConfig(max_batch_tokens=32, block_size=4, num_blocks=16, safety_margin=0.0)
@@ -71,6 +73,7 @@ async def test_soft_reset_under_a_small_cache_keeps_tokens(llama):
         assert engine.num_free_blocks == 16
     assert [d.token_ids for d in done] == refs
     assert seen, "the cache was too small for all requests: some must have been reset"
+    assert not misreported
 
 
 async def test_priority_preempts_background_work_and_background_still_finishes(llama):
