@@ -294,6 +294,17 @@ torch::Tensor pack_panels(std::vector<torch::Tensor> ws) {
 
 typedef float v8 __attribute__((vector_size(32)));
 
+// 16 accumulated outputs (two vectors) into y, the bias added, the first `cols` only (the last panel's may be fewer).
+static inline void store_panel(const v8* acc, float* y, int64_t cols, const float* bias) {
+  if (cols == PANEL && !bias) {
+    std::memcpy(y, acc, 64);
+    return;
+  }
+  float out[PANEL];
+  std::memcpy(out, acc, 64);
+  for (int64_t j = 0; j < cols; ++j) y[j] = bias ? out[j] + bias[j] : out[j];
+}
+
 // rows x 16 outputs of one panel: every weight loaded once per row tile, 2 * ROWS accumulators in registers.
 template <int ROWS>
 static inline void panel_tile(const float* xp, int64_t k, const float* panel, float* yp, int64_t ldy, int64_t cols,
@@ -310,18 +321,26 @@ static inline void panel_tile(const float* xp, int64_t k, const float* panel, fl
       acc[r][1] += s * w1;
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    float* yr = yp + r * ldy;
-    if (cols == PANEL && !bias) {
-      std::memcpy(yr, &acc[r][0], 32);
-      std::memcpy(yr + 8, &acc[r][1], 32);
-      continue;
-    }
-    float out[PANEL];
-    std::memcpy(out, &acc[r][0], 32);
-    std::memcpy(out + 8, &acc[r][1], 32);
-    for (int64_t j = 0; j < cols; ++j) yr[j] = bias ? out[j] + bias[j] : out[j];
+  for (int r = 0; r < ROWS; ++r) store_panel(acc[r], yp + r * ldy, cols, bias);
+}
+
+// One row through two neighbouring panels at once: four accumulator chains instead of two, and two streams for
+// the hardware prefetcher (no software prefetch: it made this slower). Each output sums in the same order as
+// in `panel_tile`. A batch-1 step is all such rows: measured streaming a 450 MB weight on this machine's two
+// cores, 22-27 GB/s against 19-23 GB/s for one panel at a time with the prefetch.
+static inline void panel_pair_row(const float* xp, int64_t k, const float* panel, float* yp, int64_t cols2,
+                                  const float* bias) {
+  const float* second = panel + k * PANEL;
+  v8 a[2] = {}, b[2] = {};
+  for (int64_t c = 0; c < k; ++c) {
+    const float s = xp[c];
+    a[0] += s * *(const v8*)(panel + c * PANEL);
+    a[1] += s * *(const v8*)(panel + c * PANEL + 8);
+    b[0] += s * *(const v8*)(second + c * PANEL);
+    b[1] += s * *(const v8*)(second + c * PANEL + 8);
   }
+  store_panel(a, yp, PANEL, bias);
+  store_panel(b, yp + PANEL, cols2, bias ? bias + PANEL : nullptr);
 }
 
 // `panel_tile` for 1 to 6 rows.
@@ -348,7 +367,13 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
   for (int64_t first = 0; first < m; first += rows_per_block) {
     const int64_t last = std::min(m, first + rows_per_block);
     parallel(panels, 1, small, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
+      int64_t p = begin;
+      if (last - first == 1) {  // one row: panels in pairs
+        for (; p + 1 < end; p += 2)
+          panel_pair_row(xp + first * k, k, pp + p * k * PANEL, yp + first * n + p * PANEL,
+                         std::min(PANEL, n - (p + 1) * PANEL), bias ? bias + p * PANEL : nullptr);
+      }
+      for (; p < end; ++p) {
         const float* panel = pp + p * k * PANEL;
         const int64_t j = p * PANEL, cols = std::min(PANEL, n - j);
         const float* b = bias ? bias + j : nullptr;

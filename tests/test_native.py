@@ -22,6 +22,15 @@ def test_panel_linear_matches_f_linear(rows, bias):
     torch.testing.assert_close(panel_linear(x, [w], b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
+def test_panel_linear_rows_do_not_depend_on_the_rows_beside_them():
+    # one row goes through panels in pairs, several through row tiles: every output sums in the same order
+    kernels = native.load()
+    w, b, x = torch.randn(300, 70), torch.randn(300), torch.randn(7, 70)
+    packed = kernels.pack_panels([w])
+    alone = torch.cat([kernels.panel_linear(x[i : i + 1].contiguous(), packed, 300, b) for i in range(7)])
+    assert torch.equal(kernels.panel_linear(x, packed, 300, b), alone)
+
+
 def test_panel_linear_over_several_blocks_of_rows():
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(40, 2048, generator=g), torch.randn(70, 2048, generator=g)  # blocks of 30 rows stay in L2
