@@ -8,7 +8,6 @@ import logging
 import math
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import anyio
@@ -18,7 +17,7 @@ from jitney.cache.manager import CacheManager, LayerGroup
 from jitney.cache.sizing import bytes_per_block, solve_num_blocks, step_overhead_bytes
 from jitney.core import events as ev
 from jitney.core.config import EngineConfig
-from jitney.core.executor import PreparedStep, StepExecutor
+from jitney.core.executor import ForwardThread, PreparedStep, StepExecutor
 from jitney.core.graphs import CudaGraphCapture, StaticDecoder, eager
 from jitney.core.hooks import make_plugin_manager, registry
 from jitney.core.models import load_model
@@ -70,7 +69,7 @@ class Engine:
         self._task_group = None
         self._saved_attn = None
         self._cpu_paths: list = []
-        self._worker: ThreadPoolExecutor | None = None  # the one thread every forward runs on
+        self._forward: ForwardThread | None = None  # the one thread every forward runs on
 
     @classmethod
     def from_pretrained(cls, model, config: EngineConfig | None = None, tokenizer=None, plugins: Iterable[object] = ()):
@@ -126,10 +125,10 @@ class Engine:
     async def __aenter__(self) -> "Engine":
         self._saved_attn = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_NAME)
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="jitney-forward")
+        self._forward = ForwardThread(self.executor)
         # Packed on the thread that runs the forwards: weights packed on another thread made each step of
         # SmolLM2 at batch 1 ~30% slower (55 vs 42 ms).
-        self._cpu_paths = self._worker.submit(self._enter_cpu_paths).result()
+        self._cpu_paths = self._forward.pool.submit(self._enter_cpu_paths).result()
         fused = next((p for p in self._cpu_paths if isinstance(p, cpu_layers.FusedLayers)), None)
         if fused is not None and type(self.executor.backend) is CpuPagedAttention:  # the kernel the decoder runs
             self.executor.decoder = fused.decoder
@@ -160,9 +159,9 @@ class Engine:
         """Run `fn` (torch work on the cache: swap copies) on the forward thread and wait for it. Parallel torch
         work on the event loop's thread would leave that thread an OpenMP team, and every forward after it
         would run slower (see `kernels/native.py`)."""
-        if self._worker is None:
+        if self._forward is None:
             return fn()
-        return self._worker.submit(fn).result()
+        return self._forward.pool.submit(fn).result()
 
     async def __aexit__(self, *exc_info) -> None:
         self._running = False
@@ -175,7 +174,7 @@ class Engine:
             await self._task_group.__aexit__(None, None, None)
         finally:
             self._flush_events()
-            self._worker.shutdown()
+            self._forward.shutdown()
             self.model.set_attn_implementation(self._saved_attn)
             self.executor.decoder = None
             for path in reversed(self._cpu_paths):
@@ -278,8 +277,9 @@ class Engine:
                 queried += seq.num_tokens
                 hit += seq.num_computed
                 self.events.append(ev.PrefillStarted(t=t0, request_id=seq.request_id, cached_tokens=seq.num_computed))
+        forward = self._forward
         try:
-            running = self._worker.submit(self.executor.forward, self.executor.prepare(entries))
+            running = forward.submit(self.executor.prepare(entries))
         except Exception as exc:
             self._fail(entries, exc)
             return
@@ -290,19 +290,22 @@ class Engine:
             except Exception:  # the scheduler will take the next step instead
                 log.exception("preparing the next step ahead failed")
                 ahead = None
+            chained = None if ahead is None else forward.then(running, ahead[1], ahead[2])
             try:
-                tokens = await anyio.to_thread.run_sync(running.result)
+                tokens, forward_s = await forward.wait(running)
             except Exception as exc:  # a failing forward fails its batch, not the engine
                 self._fail(entries, exc)
                 return
             if ahead is not None:
                 next_entries, prepared, rows = ahead
-                self.executor.set_tokens(prepared, [tokens[i][0] for i in rows])
-                running = self._worker.submit(self.executor.forward, prepared)
+                if chained is None:  # the step ended before the next one was ready: start it from here
+                    self.executor.set_tokens(prepared, [tokens[i][0] for i in rows])
+                    chained = forward.submit(prepared)
+                running = chained
             # A request that ends here still has a row in the step now running: its blocks may be handed
             # out again at once, since that row's writes land before any later step writes for a new owner.
             self._apply(entries, tokens)
-            self._step_completed(entries, t0, marks, queried, hit, ran_ahead)
+            self._step_completed(entries, t0, marks, queried, hit, ran_ahead, forward_s)
             if ahead is None:
                 return
             entries, t0, queried, hit, ran_ahead = next_entries, time.perf_counter(), 0, 0, True
@@ -336,12 +339,12 @@ class Engine:
                 self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
 
     def _step_completed(self, entries: list[tuple[Sequence, int]], t0: float, marks: tuple[int, int], queried: int,
-                        hit: int, ahead: bool) -> None:
+                        hit: int, ahead: bool, forward_s: float) -> None:
         self.step_count += 1
         prefill = sum(n for _, n in entries if n > 1)
         self.events.append(ev.StepCompleted(
             t=time.perf_counter(), step=self.step_count, requests=len(entries), prefill_tokens=prefill,
-            decode_tokens=sum(n for _, n in entries) - prefill, forward_s=self.executor.forward_s,
+            decode_tokens=sum(n for _, n in entries) - prefill, forward_s=forward_s,
             step_s=time.perf_counter() - t0, waiting=len(self.waiting), running=len(self.active),
             free_blocks=self.cache.num_free_blocks, total_blocks=self.cache.num_blocks,
             prefix_query_tokens=queried, prefix_hit_tokens=hit, blocks_demoted=self.cache.blocks_demoted - marks[0],

@@ -172,3 +172,56 @@ def test_padded_steps_need_a_backend_with_static_steps(llama):
     config = EngineConfig(num_blocks=16, attention_backend="plain", q_padding_interval_size=4)
     with pytest.raises(ValueError, match="static steps, not Plain"):
         Engine(llama, config=config, plugins=[Provider()])
+
+
+class FakeSteps:
+    """Stands in for `StepExecutor` under `ForwardThread`: a step is a list of input tokens; its forward
+    waits for a go-ahead, then samples each input + 1 (or fails on a negative one)."""
+
+    def __init__(self):
+        self.go = __import__("threading").Event()
+        self.ran: list[list[int]] = []
+        self.forward_s = 0.0
+
+    def set_tokens(self, prepared, token_ids):
+        prepared[:] = token_ids
+
+    def forward(self, prepared, started=None):
+        self.go.wait()
+        if started is not None:
+            started()
+        self.ran.append(list(prepared))
+        if any(t < 0 for t in prepared):
+            raise ValueError("bad step")
+        return [[t + 1] for t in prepared]
+
+
+def test_forward_thread_chains_a_queued_step_on_the_tokens_of_the_running_one():
+    from jitney.core.executor import ForwardThread
+
+    steps = FakeSteps()
+    thread = ForwardThread(steps)
+    first = thread.submit([1, 2, 3])
+    second = thread.then(first, [0, 0], rows=[2, 0])  # entry 0 takes row 2's token, entry 1 row 0's
+    assert second is not None and thread.then(first, [0], rows=[0]) is None  # one step queued at a time
+    steps.go.set()
+    assert first.result(5)[0] == [[2], [3], [4]]
+    assert second.result(5)[0] == [[5], [3]] and steps.ran == [[1, 2, 3], [4, 2]]
+    assert thread.then(second, [0], rows=[0]) is None  # it has ended: the caller submits instead
+    thread.shutdown()
+
+
+def test_forward_thread_fails_the_queued_step_with_the_running_one():
+    from jitney.core.executor import ForwardThread
+
+    steps = FakeSteps()
+    thread = ForwardThread(steps)
+    first = thread.submit([-1])
+    second = thread.then(first, [0], rows=[0])
+    steps.go.set()
+    for future in (first, second):
+        with pytest.raises(ValueError, match="bad step"):
+            future.result(5)
+    assert steps.ran == [[-1]]  # the queued step never ran
+    assert thread.submit([5]).result(5)[0] == [[6]]  # the thread goes on with the next batch
+    thread.shutdown()
