@@ -62,6 +62,31 @@ def _matmul_peak(seconds: float) -> float:
     return best / 1e9
 
 
+def read_rate_gbps(seconds: float = 1.0) -> float:
+    """Best plain read rate of this machine's memory (a 256 MiB sum, torch's threads), GB/s; on a thread that
+    ends, like `matmul_peak_gflops`."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(_read_rate, seconds).result()
+
+
+def _read_rate(seconds: float) -> float:
+    data = torch.ones(64 << 20)  # 256 MiB: far beyond the caches
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        data.sum()
+        best = max(best, data.numel() * 4 / (time.perf_counter() - t))
+    return best / 1e9
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads for its weights: every parameter once (a tied LM head and embedding once),
+    except an untied input embedding, of which a step reads only its tokens' rows."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    skip = set() if head is not None and head.weight is embed.weight else {id(embed.weight)}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
 def workload_gflop(model, work: Workload) -> float:
     """Matmul work of the workload computed from scratch (no prefix reuse): projections for every token,
     attention over each context, the LM head for every sampled token."""
@@ -228,6 +253,9 @@ def main(args) -> int:
     first_peak = matmul_peak_gflops()
     gflop = workload_gflop(model, work)
     print(f"fp32 matmul peak {first_peak:.0f} GFLOP/s; workload {gflop:.0f} GFLOP -> {gflop / first_peak:.1f} s at the roofline")
+    first_read, weights = read_rate_gbps(), weight_bytes(model)
+    print(f"memory read {first_read:.1f} GB/s; weights {weights / 1e6:.0f} MB -> one pass a token allows "
+          f"{first_read * 1e9 / weights:.1f} tok/s on one stream")
     rows, outputs = [], {}
     for label, runner in runs(args):
         t = time.perf_counter()
@@ -250,9 +278,14 @@ def main(args) -> int:
     # This machine's speed drifts: probe again and take the faster reading (the roofline shares err low).
     peak = max(first_peak, matmul_peak_gflops())
     print(f"fp32 matmul peak probed again after the runs: {peak:.0f} GFLOP/s taken (first {first_peak:.0f})")
+    read = max(first_read, read_rate_gbps())
+    weight_limit = read * 1e9 / weights  # tok/s of one stream if every step only read its weights
+    print(f"memory read probed again: {read:.1f} GB/s taken (first {first_read:.1f}) -> {weight_limit:.1f} tok/s on one stream")
     base = outputs[rows[0]["mode"]]
     for row in rows:
         row["roofline_share"] = round(gflop / peak / row["wall_s"], 3)
+        if len(work) == 1:  # one stream: bound by reading the weights each token, not by the matmuls
+            row["weight_read_share"] = round(row["output_tok_s"] / weight_limit, 3)
         row["same_tokens_as_first"] = agreement(outputs[row["mode"]], base)
         for hf in ("hf-cb", "hf-static"):
             other = next((r for r in rows if r["mode"] == hf), None)
@@ -268,8 +301,13 @@ def main(args) -> int:
         print(f"{row['mode']:<14} {row['wall_s']:>7.1f} {row['output_tok_s']:>9.1f} {cb:>8} {static:>9} "
               f"{row['roofline_share']:>8.0%} {hit:>8} {computed:>15} {itl:>10} {preempted:>9} "
               f"{row['same_tokens_as_first']:>11.0%} {row['peak_rss_mib']:>12}")
+    if len(work) == 1:
+        print("one stream, share of the weight-read limit: "
+              + ", ".join(f"{row['mode']} {row['weight_read_share']:.0%}" for row in rows))
     report = {"workload": args.workload, "requests": len(work), "output_tokens": out_tokens,
-              "matmul_peak_gflops": peak, "matmul_peak_first_gflops": first_peak, "workload_gflop": gflop, "rows": rows}
+              "matmul_peak_gflops": peak, "matmul_peak_first_gflops": first_peak, "workload_gflop": gflop,
+              "read_gbps": read, "read_first_gbps": first_read, "weight_bytes": weights,
+              "weight_read_limit_tok_s": round(weight_limit, 1), "rows": rows}
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)

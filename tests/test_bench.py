@@ -25,6 +25,21 @@ def test_bench_runs_each_mode_and_writes_json_and_a_plot(tmp_path):
     jitney, cb = report["rows"][0], report["rows"][2]
     assert jitney["vs_hf-cb"] == round(jitney["output_tok_s"] / cb["output_tok_s"], 2) and "vs_hf-cb" not in cb
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    model = tiny_llama()
+    assert report["weight_bytes"] == sum(p.numel() * 4 for p in model.parameters()) - model.model.embed_tokens.weight.numel() * 4
+    assert report["read_gbps"] > 0 and "weight_read_share" not in jitney  # many requests: not read-bound
+
+
+def test_bench_gives_one_stream_its_share_of_the_weight_read_limit(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "bench.json"
+    assert cli(["bench", "--model", str(tmp_path / "tiny"), "--workload", "single-stream", "--modes", "jitney",
+                "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    limit = report["read_gbps"] * 1e9 / report["weight_bytes"]
+    assert report["weight_read_limit_tok_s"] == round(limit, 1)
+    assert row["weight_read_share"] == round(row["output_tok_s"] / limit, 3)
 
 
 def test_null_executor_times_the_engine_alone(tmp_path):
