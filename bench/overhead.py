@@ -28,12 +28,16 @@ class NullForward:
 
 
 class StepTimes:
+    """Keeps each step's `StepCompleted`: the last event of the batch a step publishes. (Looking only there
+    keeps this observer's own cost, which the bus phase includes, out of the engine's figures.)"""
+
     def __init__(self):
         self.steps: list[StepCompleted] = []
 
     @hookimpl
     def jitney_on_events(self, events, engine):
-        self.steps += [e for e in events if isinstance(e, StepCompleted)]
+        if isinstance(events[-1], StepCompleted):
+            self.steps.append(events[-1])
 
 
 PHASES = ("schedule", "prepare", "apply", "wake", "publish")
