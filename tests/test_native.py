@@ -23,12 +23,15 @@ def test_panel_linear_matches_f_linear(rows, bias):
 
 
 def test_panel_linear_rows_do_not_depend_on_the_rows_beside_them():
-    # one row goes through panels in pairs, several through row tiles: every output sums in the same order
+    # up to three rows go through panels in pairs, more through row tiles: every output sums in the same order
     kernels = native.load()
     w, b, x = torch.randn(300, 70), torch.randn(300), torch.randn(7, 70)
     packed = kernels.pack_panels([w])
     alone = torch.cat([kernels.panel_linear(x[i : i + 1].contiguous(), packed, 300, b) for i in range(7)])
     assert torch.equal(kernels.panel_linear(x, packed, 300, b), alone)
+    for rows in (2, 3):
+        blocks = [kernels.panel_linear(x[i : i + rows].contiguous(), packed, 300, b) for i in range(0, 7 - rows + 1, rows)]
+        assert torch.equal(torch.cat(blocks), alone[: len(blocks) * rows])
 
 
 def test_panel_linear_over_several_blocks_of_rows():
