@@ -225,3 +225,26 @@ def test_forward_thread_fails_the_queued_step_with_the_running_one():
     assert steps.ran == [[-1]]  # the queued step never ran
     assert thread.submit([5]).result(5)[0] == [[6]]  # the thread goes on with the next batch
     thread.shutdown()
+
+
+async def test_async_batching_starts_the_steps_ahead_on_the_forward_thread(llama):
+    work = random_requests(3, llama.config.vocab_size, max_prompt=10, max_new=20, seed=4)
+    refs = [reference(llama, p, n) for p, n in work]
+    steps: list[ev.StepCompleted] = []
+
+    class Steps:
+        @hookimpl
+        def jitney_on_events(self, events, engine):
+            steps.extend(e for e in events if isinstance(e, ev.StepCompleted))
+
+    async with Engine(llama, config=EngineConfig(block_size=4, num_blocks=100, use_async_batching=True), plugins=[Steps()]) as engine:
+        submitted = []
+        submit = engine._forward.submit
+        engine._forward.submit = lambda prepared: submitted.append(prepared) or submit(prepared)
+        done = await run_all(engine, [greedy(p, n) for p, n in work])
+    assert [d.token_ids for d in done] == refs
+    # the loop submits the scheduled steps, and an ahead step only when it was too late to queue it: most of
+    # them started on the forward thread (here 14 ahead of 16 steps, 1 of them submitted by the loop)
+    ahead = sum(s.ahead for s in steps)
+    submitted_ahead = len(submitted) - (len(steps) - ahead)
+    assert ahead > 10 and submitted_ahead < ahead / 2
