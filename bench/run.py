@@ -47,8 +47,12 @@ def matmul_peak_gflops(seconds: float = 2.0) -> float:
 
     Measured on a thread that then ends: parallel torch work on the main thread leaves an OpenMP team
     behind, which slowed the engine's forward thread at batch 1 by a third or more in our runs."""
+    return _on_a_thread_that_ends(_matmul_peak, seconds)
+
+
+def _on_a_thread_that_ends(fn, *args):
     with ThreadPoolExecutor(1) as pool:
-        return pool.submit(_matmul_peak, seconds).result()
+        return pool.submit(fn, *args).result()
 
 
 def _matmul_peak(seconds: float) -> float:
@@ -65,8 +69,7 @@ def _matmul_peak(seconds: float) -> float:
 def read_rate_gbps(seconds: float = 1.0) -> float:
     """Best plain read rate of this machine's memory (a 256 MiB sum, torch's threads), GB/s; on a thread that
     ends, like `matmul_peak_gflops`."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(_read_rate, seconds).result()
+    return _on_a_thread_that_ends(_read_rate, seconds)
 
 
 def _read_rate(seconds: float) -> float:

@@ -53,8 +53,7 @@ class Engine:
         self.cache = self._build_cache(mc, param.dtype, param.device)
         self.executor = StepExecutor(model, self.cache, backend)
         self.executor.static, self.async_batching = self._plan_static_steps(backend, param.device)
-        self.stop_ids = _stop_ids(model, tokenizer)
-        self._default_stops = frozenset(self.stop_ids)  # one set shared by the requests that use it (stays cached)
+        self.stop_ids = frozenset(_stop_ids(model, tokenizer))  # one set shared by the requests that use it (stays cached)
         offload = registry(self.plugins, "offload backend").create(config.offload_backend, config, self.cache)
         self.preempter = Preempter(self, offload)
         self.waiting: list[Sequence] = []
@@ -202,7 +201,7 @@ class Engine:
                 f"{self.cache.num_blocks * self.cache.block_size} (raise num_blocks or lower max_new_tokens)"
             )
         stop = _NO_STOPS if request.params.ignore_eos else (
-            frozenset(request.params.stop_token_ids) if request.params.stop_token_ids else self._default_stops)
+            frozenset(request.params.stop_token_ids) if request.params.stop_token_ids else self.stop_ids)
         seq = Sequence(request, prompt_ids, stop, self._arrivals)
         # Further samples wait on the first one and fork from it once the prompt is in the cache.
         seq.forks = [Sequence(request, prompt_ids, stop, self._arrivals, seq.collector, i) for i in range(1, request.params.n)]

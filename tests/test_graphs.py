@@ -98,6 +98,17 @@ def test_padded_logits_equal_the_eager_step(llama):
     assert static.replays > 0 and all(k[0].rows % 4 == 0 for k in static.steps)
 
 
+class StepRecorder:
+    """Keeps every `StepCompleted` an engine publishes."""
+
+    def __init__(self):
+        self.steps: list[ev.StepCompleted] = []
+
+    @hookimpl
+    def jitney_on_events(self, events, engine):
+        self.steps.extend(e for e in events if isinstance(e, ev.StepCompleted))
+
+
 @pytest.mark.parametrize("model_fn", [None, tiny_mistral, tiny_gemma2], ids=["llama", "mistral", "gemma2"])
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("pad, ahead", [(True, False), (False, True), (True, True)], ids=["padded", "async", "both"])
@@ -105,24 +116,18 @@ def test_static_steps_and_async_batching_match_generate(llama, model_fn, backend
     model = llama if model_fn is None else model_fn(window=6)
     work = random_requests(4, model.config.vocab_size, max_prompt=20, max_new=16, seed=11)
     refs = [reference(model, p, n) for p, n in work]
-    seen: list[ev.StepCompleted] = []
-
-    class Steps:
-        @hookimpl
-        def jitney_on_events(self, events, engine):
-            seen.extend(e for e in events if isinstance(e, ev.StepCompleted))
-
+    recorder = StepRecorder()
     config = EngineConfig(block_size=4, num_blocks=200, attention_backend=backend, use_async_batching=ahead,
                           q_padding_interval_size=4 if pad else 0, kv_padding_interval_size=8 if pad else 0)
 
     async def run():
-        async with Engine(model, config=config, plugins=[Steps()]) as engine:
+        async with Engine(model, config=config, plugins=[recorder]) as engine:
             done = await run_all(engine, [greedy(p, n) for p, n in work])
             assert engine.num_free_blocks == 200
             return [d.token_ids for d in done]
 
     assert anyio.run(run) == refs
-    assert any(s.ahead for s in seen) == ahead
+    assert any(s.ahead for s in recorder.steps) == ahead
 
 
 async def test_async_batching_with_stops_and_aborts_frees_everything(llama):
@@ -230,14 +235,8 @@ def test_forward_thread_fails_the_queued_step_with_the_running_one():
 async def test_async_batching_starts_the_steps_ahead_on_the_forward_thread(llama):
     work = random_requests(3, llama.config.vocab_size, max_prompt=10, max_new=20, seed=4)
     refs = [reference(llama, p, n) for p, n in work]
-    steps: list[ev.StepCompleted] = []
-
-    class Steps:
-        @hookimpl
-        def jitney_on_events(self, events, engine):
-            steps.extend(e for e in events if isinstance(e, ev.StepCompleted))
-
-    async with Engine(llama, config=EngineConfig(block_size=4, num_blocks=100, use_async_batching=True), plugins=[Steps()]) as engine:
+    recorder = StepRecorder()
+    async with Engine(llama, config=EngineConfig(block_size=4, num_blocks=100, use_async_batching=True), plugins=[recorder]) as engine:
         submitted = []
         submit = engine._forward.submit
         engine._forward.submit = lambda prepared: submitted.append(prepared) or submit(prepared)
@@ -245,6 +244,7 @@ async def test_async_batching_starts_the_steps_ahead_on_the_forward_thread(llama
     assert [d.token_ids for d in done] == refs
     # the loop submits the scheduled steps, and an ahead step only when it was too late to queue it: most of
     # them started on the forward thread (here 14 ahead of 16 steps, 1 of them submitted by the loop)
+    steps = recorder.steps
     ahead = sum(s.ahead for s in steps)
     submitted_ahead = len(submitted) - (len(steps) - ahead)
     assert ahead > 10 and submitted_ahead < ahead / 2
