@@ -113,15 +113,81 @@ static void parallel(int64_t n, int64_t grain, bool small, const F& fn) {
   pool->run((int)parts, [&](int p) { fn(n * p / parts, n * (p + 1) / parts); });
 }
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline float hsum(v8 v) {
+  const v4 x = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  const v4 y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1);
+  return y[0] + y[1];
+}
+
+// The scores of HEADS query heads (q, one after another) against P keys (k, one after another), the first
+// `dim8` dims in vectors and the rest one by one: P * HEADS independent sums, each key loaded once for all.
+template <int P, int HEADS>
+static inline void key_scores(const float* q, const float* k, int64_t dim, int64_t dim8, float scale, float* s, int64_t ld) {
+  v8 acc[HEADS][P];
+  for (int g = 0; g < HEADS; ++g)
+    for (int j = 0; j < P; ++j) acc[g][j] = v8{};
+  for (int64_t d = 0; d < dim8; d += 8) {
+    v8 kv[P];
+    for (int j = 0; j < P; ++j) kv[j] = load8(k + j * dim + d);
+    for (int g = 0; g < HEADS; ++g) {
+      const v8 qv = load8(q + g * dim + d);
+      for (int j = 0; j < P; ++j) acc[g][j] += qv * kv[j];
+    }
+  }
+  for (int g = 0; g < HEADS; ++g)
+    for (int j = 0; j < P; ++j) {
+      float sum = hsum(acc[g][j]);
+      for (int64_t d = dim8; d < dim; ++d) sum += q[g * dim + d] * k[j * dim + d];
+      s[g * ld + j] = sum * scale;
+    }
+}
+
+// acc[NV] += p_i * v_i over `count` value rows (stride `dim`), NV vectors of dims from v.
+template <int NV>
+static inline void weighted_values(const float* p, const float* v, int64_t count, int64_t dim, float* out) {
+  v8 acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = load8(out + 8 * c);
+  for (int64_t i = 0; i < count; ++i)
+    for (int c = 0; c < NV; ++c) acc[c] += p[i] * load8(v + i * dim + 8 * c);
+  std::memcpy(out, acc, sizeof acc);
+}
+
+static inline void weighted_values_any(int64_t nv, const float* p, const float* v, int64_t count, int64_t dim, float* out) {
+  switch (nv) {
+    case 8: weighted_values<8>(p, v, count, dim, out); break;
+    case 7: weighted_values<7>(p, v, count, dim, out); break;
+    case 6: weighted_values<6>(p, v, count, dim, out); break;
+    case 5: weighted_values<5>(p, v, count, dim, out); break;
+    case 4: weighted_values<4>(p, v, count, dim, out); break;
+    case 3: weighted_values<3>(p, v, count, dim, out); break;
+    case 2: weighted_values<2>(p, v, count, dim, out); break;
+    default: weighted_values<1>(p, v, count, dim, out); break;
+  }
+}
+
 // Attention of decode rows over the paged, head-major cache ([kv_heads, slots, dim] for keys and values).
 // One task per (row, KV head): its `group` query heads attend over positions [first, ctx) of the row's
 // context, read through its block table. Row r's queries start at q + r * q_stride, heads one after another;
-// the output is [rows, heads, dim].
+// the output is [rows, heads, dim]. A block's positions lie side by side in the cache, so each task goes
+// through its context block by block: keys four at a time against two query heads at a time (each key
+// loaded once for both), values with the sums for 64 dims of one head in registers. The blocks themselves
+// lie anywhere, which the hardware prefetcher does not follow: the next block's keys (values) are
+// prefetched while this block's are read.
 static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, int64_t heads, int64_t dim,
                              const float* kp, const float* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
                              int64_t width, const int64_t* cp, float* op, double scale, int64_t window,
                              int64_t block_size, bool small) {
-  const int64_t group = heads / kv_heads;
+  const int64_t group = heads / kv_heads, dim8 = dim / 8 * 8;
+  const float sc = (float)scale;
   parallel(rows * kv_heads, 1, small, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(group * dim);
     for (int64_t task = begin; task < end; ++task) {
@@ -129,48 +195,39 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
       const int64_t len = std::min(cp[r], width * block_size);
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
-      scores.assign(group * n, 0.f);
+      scores.resize(group * n);
       const float* q0 = qp + r * q_stride + h * group * dim;
+      const int64_t* table = tp + r * width;
       const float* kh = kp + h * slots * dim;
       const float* vh = vp + h * slots * dim;
-      auto key = [&](int64_t i) {
-        const int64_t pos = first + i;
-        return kh + (tp[r * width + pos / block_size] * block_size + pos % block_size) * dim;
+      // fn(offset into the block's storage, first position, count, the next block's storage or null) for
+      // each block's run of positions in [first, len)
+      auto runs = [&](auto&& fn) {
+        for (int64_t pos = first; pos < len;) {
+          const int64_t b = pos / block_size, off = pos - b * block_size;
+          const int64_t count = std::min(len - pos, block_size - off);
+          const int64_t next = pos + count < len ? table[b + 1] * block_size * dim : -1;
+          fn((table[b] * block_size + off) * dim, pos - first, count, next);
+          pos += count;
+        }
       };
-      // Scores four positions at a time: four independent sums per query head keep the FMA units busy
-      // (one dot product at a time waits on its own additions).
-      int64_t i = 0;
-      for (; i + 4 <= n; i += 4) {
-        const float *k0 = key(i), *k1 = key(i + 1), *k2 = key(i + 2), *k3 = key(i + 3);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q0 + g * dim;
-          float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-          for (int64_t d = 0; d < dim; ++d) {
-            const float x = qg[d];
-            s0 += x * k0[d];
-            s1 += x * k1[d];
-            s2 += x * k2[d];
-            s3 += x * k3[d];
-          }
-          float* sg = scores.data() + g * n + i;
-          sg[0] = s0 * (float)scale;
-          sg[1] = s1 * (float)scale;
-          sg[2] = s2 * (float)scale;
-          sg[3] = s3 * (float)scale;
+      runs([&](int64_t at, int64_t i0, int64_t count, int64_t next) {
+        const float* k = kh + at;
+        float* s = scores.data() + i0;
+        int64_t i = 0;
+        for (; i + 4 <= count; i += 4) {
+          if (next >= 0)  // the same positions of the next block
+            for (int64_t b = i * dim; b < (i + 4) * dim; b += 16) __builtin_prefetch(kh + next + b);
+          int64_t g = 0;
+          for (; g + 2 <= group; g += 2) key_scores<4, 2>(q0 + g * dim, k + i * dim, dim, dim8, sc, s + g * n + i, n);
+          if (g < group) key_scores<4, 1>(q0 + g * dim, k + i * dim, dim, dim8, sc, s + g * n + i, n);
         }
-      }
-      for (; i < n; ++i) {
-        const float* kr = key(i);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q0 + g * dim;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < dim; ++d) s += qg[d] * kr[d];
-          scores[g * n + i] = s * (float)scale;
+        for (; i < count; ++i) {
+          int64_t g = 0;
+          for (; g + 2 <= group; g += 2) key_scores<1, 2>(q0 + g * dim, k + i * dim, dim, dim8, sc, s + g * n + i, n);
+          if (g < group) key_scores<1, 1>(q0 + g * dim, k + i * dim, dim, dim8, sc, s + g * n + i, n);
         }
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      });
       std::vector<float> total(group, 0.f);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * n;
@@ -183,15 +240,19 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
         }
         total[g] = sum;
       }
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t pos = first + i;
-        const float* vr = vh + (tp[r * width + pos / block_size] * block_size + pos % block_size) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + i];
-          float* ag = acc.data() + g * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) ag[d] += p * vr[d];
-        }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* sg = scores.data() + g * n;
+        float* ag = acc.data() + g * dim;
+        runs([&](int64_t at, int64_t i0, int64_t count, int64_t next) {
+          const float* v = vh + at;
+          if (g == 0 && next >= 0)
+            for (int64_t b = 0; b < count * dim; b += 16) __builtin_prefetch(vh + next + b);
+          for (int64_t d = 0; d < dim8; d += 64)
+            weighted_values_any(std::min<int64_t>(8, (dim8 - d) / 8), sg + i0, v + d, count, dim, ag + d);
+          for (int64_t d = dim8; d < dim; ++d)
+            for (int64_t i = 0; i < count; ++i) ag[d] += sg[i0 + i] * v[i * dim + d];
+        });
       }
       for (int64_t g = 0; g < group; ++g) {
         float* o = op + (r * heads + h * group + g) * dim;
@@ -291,8 +352,6 @@ torch::Tensor pack_panels(std::vector<torch::Tensor> ws) {
   }
   return out;
 }
-
-typedef float v8 __attribute__((vector_size(32)));
 
 // 16 accumulated outputs (two vectors) into y, the bias added, the first `cols` only (the last panel's may be fewer).
 static inline void store_panel(const v8* acc, float* y, int64_t cols, const float* bias) {

@@ -46,11 +46,11 @@ def test_paged_attention_matches_dense(backend, block_size, heads, kv_heads, win
     check_against_dense(backend, block_size, heads, kv_heads, window, 8, [(5, 1), (17, 1), (0, 1), (0, 9), (6, 3), (13, 7), (2, 21)])
 
 
-@pytest.mark.parametrize("dim", [40, 64])
+@pytest.mark.parametrize("dim", [36, 40, 64])
 @pytest.mark.parametrize("window", [None, 20])
 def test_cpu_prefill_over_many_key_groups_matches_dense(dim, window):
-    """Chunks that span several groups of 16 keys, a head size that is not a multiple of 16, SmolLM2's head
-    grouping (9 query heads on 3 KV heads)."""
+    """Chunks that span several groups of 16 keys, head sizes that are not a multiple of 16 (or of the
+    decode kernel's 8-wide vectors), SmolLM2's head grouping (9 query heads on 3 KV heads)."""
     check_against_dense(cpu_backend, 16, 9, 3, window, dim, [(30, 1), (0, 70), (45, 38), (100, 5)])
 
 
