@@ -123,9 +123,13 @@ static inline v8 load8(const float* p) {
 }
 
 static inline float hsum(v8 v) {
+#if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector: halves added as vectors
   const v4 x = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
   const v4 y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1);
   return y[0] + y[1];
+#else
+  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+#endif
 }
 
 // The scores of HEADS query heads (q, one after another) against P keys (k, one after another), the first
@@ -200,8 +204,8 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
       const int64_t* table = tp + r * width;
       const float* kh = kp + h * slots * dim;
       const float* vh = vp + h * slots * dim;
-      // fn(offset into the block's storage, first position, count, the next block's storage or null) for
-      // each block's run of positions in [first, len)
+      // fn(where the run starts in the head's storage, its first position counted from `first`, its length,
+      // where the next block starts or -1) for each block's run of positions in [first, len)
       auto runs = [&](auto&& fn) {
         for (int64_t pos = first; pos < len;) {
           const int64_t b = pos / block_size, off = pos - b * block_size;
