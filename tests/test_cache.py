@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import subprocess
 import sys
 
@@ -14,6 +15,16 @@ from jitney.cache import BlockPool, CacheManager, LayerGroup
 def make_cache(num_blocks: int = 8, groups=None) -> CacheManager:
     return CacheManager(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, num_blocks=num_blocks,
                         dtype=torch.float32, device=torch.device("cpu"), groups=groups)
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="transparent huge pages are a Linux feature")
+def test_cpu_cache_tensors_start_on_huge_page_boundaries():
+    cache = make_cache()
+    for store in cache.keys + cache.values:
+        assert store.data_ptr() % (2 << 20) == 0
+        assert store.shape == (10 * 4, 2, 4) and store.transpose(0, 1).is_contiguous()  # head-major underneath
+    cache.keys[1][5] = 3.0  # each tensor its own writable memory (fresh mappings read zero)
+    assert cache.keys[1][5].sum() == 24 and cache.keys[0][5].sum() == 0 and cache.values[1][5].sum() == 0
 
 
 def test_pool_never_hands_out_the_padding_blocks():
