@@ -16,10 +16,9 @@ class NullForward:
     def __init__(self, executor):
         self.executor = executor
 
-    def __call__(self, prepared, started=None):
+    def __call__(self, prepared, started):
         self.executor.zero_new_blocks(prepared)  # cache work that the real forward does first
-        if started is not None:
-            started()
+        started()
         self.executor.forward_s = 0.0
         result = [None] * prepared.num_entries
         for i, count in zip(prepared.sampled_entries, prepared.samples_per_entry):

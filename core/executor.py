@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -135,11 +136,11 @@ class StepExecutor:
             self.cache.zero_blocks(prepared.new_blocks)
             prepared.new_blocks = None
 
-    def forward(self, prepared: PreparedStep, started=None) -> list[list[int] | None]:
+    def forward(self, prepared: PreparedStep, started: Callable[[], None]) -> list[list[int] | None]:
         """Run the model; return, per entry, its sampled tokens (one per sample) or None (prompt not done).
 
-        `started()`, if given, is called once the step is under way and about to leave Python for a while (just
-        before the one-call decoder; at once on other paths): see `ForwardThread`."""
+        `started()` is called once the step is under way and about to leave Python for a while (just before the
+        one-call decoder; at once on other paths): see `ForwardThread`."""
         t0 = time.perf_counter()
         p = prepared
         stream = self.compute_stream
@@ -150,15 +151,13 @@ class StepExecutor:
             self.zero_new_blocks(p)
             argmax = None
             if p.static is not None:
-                if started is not None:
-                    started()
+                started()
                 logits = self.static.forward(p.static)
             elif self.decoder is not None and p.step.num_decodes == len(p.step.query_lens):
                 logits = self.decoder(p.input_ids, p.positions, p.step, started)
                 argmax = self.decoder.argmax
             else:
-                if started is not None:
-                    started()
+                started()
                 logits = self.model(
                     input_ids=p.input_ids, position_ids=p.positions[None], use_cache=False, logits_to_keep=p.keep,
                     **{STEP_KWARG: self.backend.prepare(p.step)},

@@ -155,6 +155,15 @@ static inline void key_scores(const float* q, const float* k, int64_t dim, int64
     }
 }
 
+// `key_scores` for all `group` query heads, two at a time.
+template <int P>
+static inline void every_head_scores(const float* q, int64_t group, const float* k, int64_t dim, int64_t dim8, float scale,
+                                     float* s, int64_t ld) {
+  int64_t g = 0;
+  for (; g + 2 <= group; g += 2) key_scores<P, 2>(q + g * dim, k, dim, dim8, scale, s + g * ld, ld);
+  if (g < group) key_scores<P, 1>(q + g * dim, k, dim, dim8, scale, s + g * ld, ld);
+}
+
 // acc[NV] += p_i * v_i over `count` value rows (stride `dim`), NV vectors of dims from v.
 template <int NV>
 static inline void weighted_values(const float* p, const float* v, int64_t count, int64_t dim, float* out) {
@@ -222,15 +231,9 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
         for (; i + 4 <= count; i += 4) {
           if (next >= 0)  // the same positions of the next block
             for (int64_t b = i * dim; b < (i + 4) * dim; b += 16) __builtin_prefetch(kh + next + b);
-          int64_t g = 0;
-          for (; g + 2 <= group; g += 2) key_scores<4, 2>(q0 + g * dim, k + i * dim, dim, dim8, sc, s + g * n + i, n);
-          if (g < group) key_scores<4, 1>(q0 + g * dim, k + i * dim, dim, dim8, sc, s + g * n + i, n);
+          every_head_scores<4>(q0, group, k + i * dim, dim, dim8, sc, s + i, n);
         }
-        for (; i < count; ++i) {
-          int64_t g = 0;
-          for (; g + 2 <= group; g += 2) key_scores<1, 2>(q0 + g * dim, k + i * dim, dim, dim8, sc, s + g * n + i, n);
-          if (g < group) key_scores<1, 1>(q0 + g * dim, k + i * dim, dim, dim8, sc, s + g * n + i, n);
-        }
+        for (; i < count; ++i) every_head_scores<1>(q0, group, k + i * dim, dim, dim8, sc, s + i, n);
       });
       std::vector<float> total(group, 0.f);
       for (int64_t g = 0; g < group; ++g) {

@@ -137,15 +137,14 @@ class FusedDecoder:
         self.argmax = kernels.argmax_rows
         """torch.argmax's tokens, off OpenMP (see `argmax_rows` in `cpu_kernels.cpp`)."""
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step, started=None) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step, started) -> torch.Tensor:
         """Logits [rows, vocab] of a decode-only step (`StepInputs` `step`, every row one token); `started()`
         is called just before the C++ call (which releases the GIL)."""
         inner = self.model.model
         x = inner.embed_tokens(input_ids)  # [1, rows, hidden]
         cos, sin = inner.rotary_emb(x, positions[None])
         x, cos, sin = x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous()
-        if started is not None:
-            started()
+        started()
         return self.native.forward(x, cos, sin, step.keys, step.values, step.block_tables, step.group_of_layer,
                                    step.context_tensor, step.block_size)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import anyio
 import pytest
 import torch
@@ -184,17 +186,16 @@ class FakeSteps:
     waits for a go-ahead, then samples each input + 1 (or fails on a negative one)."""
 
     def __init__(self):
-        self.go = __import__("threading").Event()
+        self.go = threading.Event()
         self.ran: list[list[int]] = []
         self.forward_s = 0.0
 
     def set_tokens(self, prepared, token_ids):
         prepared[:] = token_ids
 
-    def forward(self, prepared, started=None):
+    def forward(self, prepared, started):
         self.go.wait()
-        if started is not None:
-            started()
+        started()
         self.ran.append(list(prepared))
         if any(t < 0 for t in prepared):
             raise ValueError("bad step")
