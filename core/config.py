@@ -64,6 +64,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     rotary and SiLU, one linear each over the q/k/v and the gate/up weights stacked (`kernels/cpu_layers.py`).
     `None`: on where the weights are packed and the C++ kernels build."""
 
+    speculative_tokens: Annotated[int, Meta(ge=0)] | None = None
+    """Speculative decoding in the CPU's one-call decode steps (`kernels/cpu_layers.FusedDecoder.speculate`):
+    an int8 copy of the model proposes this many tokens after each greedy decode, and one pass of the model
+    checks them all; a request gets the model's own tokens up to the first it disagrees with, the same tokens
+    as without. Where the one-call decoder runs (fused fp32 Llama-like models on CPU, every layer full attention)
+    and decode steps are not padded. `None`: 4, or 0 with async batching (speculative steps are not chained);
+    0: off. Costs an int8 copy of the weights (a quarter of their size)."""
+    speculative_max_rows: PositiveInt = 8
+    """Speculate only in steps of at most this many rows, proposals included (with more requests decoding,
+    fewer proposals each): a step of a few rows is bound by reading the weights, which extra rows share; at
+    more, the extra rows cost their own compute."""
+
     def __post_init__(self) -> None:
         # msgspec checks constraints only when converting; building the Struct directly does not, so check
         # each field against its annotated type here and name the field in the error.

@@ -69,6 +69,7 @@ class Engine:
         self._saved_attn = None
         self._cpu_paths: list = []
         self._forward: ForwardThread | None = None  # the one thread every forward runs on
+        self.speculate = 0  # draft tokens a decode may get (`EngineConfig.speculative_tokens`), set once entered
 
     @classmethod
     def from_pretrained(cls, model, config: EngineConfig | None = None, tokenizer=None, plugins: Iterable[object] = ()):
@@ -131,12 +132,28 @@ class Engine:
         fused = next((p for p in self._cpu_paths if isinstance(p, cpu_layers.FusedLayers)), None)
         if fused is not None and type(self.executor.backend) is CpuPagedAttention:  # the kernel the decoder runs
             self.executor.decoder = fused.decoder
+        self.speculate = self._plan_speculation()
+        if self.speculate:  # the draft's weights packed now, on the forward thread, not in a request's first step
+            self._forward.pool.submit(lambda: self.executor.decoder.draft).result()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._running = True
         self._task_group.start_soon(self._loop)
         self.plugins.hook.jitney_engine_started(engine=self)
         return self
+
+    def _plan_speculation(self) -> int:
+        """Draft tokens per decode (`EngineConfig.speculative_tokens`): where the one-call decoder runs decode
+        steps that are not padded; by default not with async batching either (a speculative step is not
+        chained: its next one depends on what it accepts)."""
+        k = self.config.speculative_tokens
+        able = self.executor.decoder is not None and self.executor.static is None and not self.cache.sliding
+        if k and not able:
+            log.warning("speculative_tokens=%d needs the CPU's one-call decoder (fused fp32 Llama-like layers, full "
+                        "attention, jitney's C++ kernels) and unpadded decode steps: decoding without it", k)
+        if k is None:
+            k = 0 if self.async_batching else 4
+        return k if able else 0
 
     def _enter_cpu_paths(self) -> list:
         """Packed linears and fused decoder layers, where configured and possible (see `EngineConfig`)."""
@@ -278,14 +295,15 @@ class Engine:
                 self.events.append(ev.PrefillStarted(t=t0, request_id=seq.request_id, cached_tokens=seq.num_computed))
         forward = self._forward
         try:
-            running = forward.submit(self.executor.prepare(entries))
+            drafts = self._speculation(entries) if self.speculate else 0
+            running = forward.submit(self.executor.prepare(entries, speculate=drafts))
         except Exception as exc:
             self._fail(entries, exc)
             return
         ran_ahead = False
         while True:
             try:
-                ahead = self._prepare_ahead(entries) if self.async_batching else None
+                ahead = self._prepare_ahead(entries) if self.async_batching and not drafts else None
             except Exception:  # the scheduler will take the next step instead
                 log.exception("preparing the next step ahead failed")
                 ahead = None
@@ -304,11 +322,32 @@ class Engine:
             # A request that ends here still has a row in the step now running: its blocks may be handed
             # out again at once, since that row's writes land before any later step writes for a new owner.
             self._apply(entries, tokens)
-            self._step_completed(entries, t0, marks, queried, hit, ran_ahead, forward_s)
+            accepted = sum(len(run) - 1 for run in tokens) if drafts else 0
+            self._step_completed(entries, t0, marks, queried, hit, ran_ahead, forward_s, drafts * len(entries), accepted)
             if ahead is None:
                 return
             entries, t0, queried, hit, ran_ahead = next_entries, time.perf_counter(), 0, 0, True
             marks = (self.cache.blocks_demoted, self.preempter.total)
+
+    def _speculation(self, entries: list[tuple[Sequence, int]]) -> int:
+        """Draft tokens for each request of this step, their cache reserved; 0 for a plain step. Only where every
+        entry decodes one greedy sample, nothing waits for the cache, and the rows with their proposals stay
+        within `speculative_max_rows` and the token budget; never past a request's last token."""
+        if self.waiting or self.preempter.offloaded:
+            return 0
+        cfg, count = self.config, len(entries)
+        k = min(self.speculate, cfg.speculative_max_rows // count - 1, cfg.max_batch_tokens // count - 1)
+        decoding = RequestStatus.DECODING
+        for seq, n in entries:
+            if n != 1 or seq.status is not decoding or not seq.params.greedy or seq.remaining != 1:
+                return 0
+            k = min(k, seq.max_new_tokens - len(seq.output_ids) - 1)
+        if k <= 0:
+            return 0
+        for seq, _ in entries:
+            if not self.cache.reserve(seq.request_id, seq.num_tokens + k):
+                return 0
+        return k
 
     def _prepare_ahead(self, entries: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], PreparedStep, list[int]] | None:
         """While `entries` run, prepare the step after: every row that decodes now, one token further (its
@@ -326,8 +365,8 @@ class Engine:
                 if not self.cache.reserve(seq.request_id, seq.num_tokens + 1):
                     return None
                 rows.append(i)
-        if not rows:
-            return None
+        if not rows or (self.speculate and 2 * len(rows) <= self.config.speculative_max_rows):
+            return None  # (few enough rows to speculate: the next step goes through `_speculation`)
         ahead = [(entries[i][0], 1) for i in rows]
         return ahead, self.executor.prepare(ahead, ahead=True), rows
 
@@ -338,7 +377,7 @@ class Engine:
                 self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
 
     def _step_completed(self, entries: list[tuple[Sequence, int]], t0: float, marks: tuple[int, int], queried: int,
-                        hit: int, ahead: bool, forward_s: float) -> None:
+                        hit: int, ahead: bool, forward_s: float, drafted: int, accepted: int) -> None:
         self.step_count += 1
         prefill = sum(n for _, n in entries if n > 1)
         self.events.append(ev.StepCompleted(
@@ -348,6 +387,7 @@ class Engine:
             free_blocks=self.cache.num_free_blocks, total_blocks=self.cache.num_blocks,
             prefix_query_tokens=queried, prefix_hit_tokens=hit, blocks_demoted=self.cache.blocks_demoted - marks[0],
             preemptions=self.preempter.total - marks[1], offloaded=len(self.preempter.offloaded), ahead=ahead,
+            draft_tokens=drafted, accepted_tokens=accepted,
         ))
         self._flush_events()
 
@@ -384,6 +424,9 @@ class Engine:
             status = seq.status
             if status is not decoding and status.done:  # aborted while its forward ran
                 continue
+            if status is decoding and len(drawn) > 1:  # (a decode's tokens are never None)
+                self._accept(seq, drawn, now)
+                continue
             computed = seq.num_computed = seq.num_computed + n
             if computed // bs != (computed - n) // bs:  # a block completed: hash it
                 cache.commit(seq)
@@ -396,6 +439,18 @@ class Engine:
             else:
                 self._first_tokens(seq, drawn, now)
         self._wake_streams()
+
+    def _accept(self, seq: Sequence, run: list[int], now: float) -> None:
+        """A speculative decode's tokens, each taken as a decode step would take it: the slot before it computed
+        (the step ran the token before it there), then handed out (the request may end at any of them)."""
+        bs = self.cache.block_size
+        for tok in run:
+            computed = seq.num_computed = seq.num_computed + 1
+            if computed % bs == 0:  # a block completed: hash it
+                self.cache.commit(seq)
+            self._emit(seq, tok, now)
+            if seq.status.done:
+                return
 
     def _first_tokens(self, seq: Sequence, drawn: list[int], now: float) -> None:
         """A prompt is done (first computed, or again after a soft reset): its samples fork and take their

@@ -109,6 +109,10 @@ class StepCompleted(Event, frozen=True):
     """Requests waiting in the offload backend after this step."""
     ahead: bool = False
     """Async batching: prepared and launched while the step before ran, without asking the scheduler."""
+    draft_tokens: int = 0
+    """Speculative decoding: tokens the draft proposed this step (`EngineConfig.speculative_tokens`)."""
+    accepted_tokens: int = 0
+    """Of those, tokens the model agreed with: each one a token more than a decode step gives."""
 
 
 AnyEvent = Union[

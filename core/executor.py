@@ -39,6 +39,9 @@ class PreparedStep:
     """Set when the step runs as a padded static decode step (its inputs live in the step's buffers)."""
     new_blocks: list[list[int]] | None = None
     """Blocks reserved for this step and not zeroed yet (per group): the forward zeroes them first."""
+    speculate: int = 0
+    """Tokens the draft proposes after each row's (a decode-only step of greedy rows; see
+    `FusedDecoder.speculate`): each sampled entry then gets one to ``speculate + 1`` tokens."""
 
 
 class StepExecutor:
@@ -61,19 +64,21 @@ class StepExecutor:
         self.compute_stream = torch.cuda.Stream(self.device) if cuda else None
         self.forward_s = 0.0  # time of the latest forward + sampling
 
-    def prepare(self, entries: list[tuple[Sequence, int]], ahead: bool = False) -> PreparedStep:
+    def prepare(self, entries: list[tuple[Sequence, int]], ahead: bool = False, speculate: int = 0) -> PreparedStep:
         """Build the step's input tensors, on the event loop's thread: after this, the forward reads nothing
         that the loop may change (an abort can free a request's blocks while its forward runs).
 
         `ahead`: every entry is a decode of the token that the running step is still sampling (position
-        `num_tokens`); its token ids are given later with `set_tokens`.
+        `num_tokens`); its token ids are given later with `set_tokens`. `speculate`: see `PreparedStep`
+        (the caller has reserved each entry's cache for that many tokens more).
         """
         with torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext():
-            return self._prepare(entries, ahead)
+            return self._prepare(entries, ahead, speculate)
 
-    def _prepare(self, entries: list[tuple[Sequence, int]], ahead: bool) -> PreparedStep:
+    def _prepare(self, entries: list[tuple[Sequence, int]], ahead: bool, speculate: int) -> PreparedStep:
         prepared = self._build(entries, ahead)
         prepared.new_blocks = self.cache.take_new_blocks()
+        prepared.speculate = speculate
         return prepared
 
     def _build(self, entries: list[tuple[Sequence, int]], ahead: bool) -> PreparedStep:
@@ -137,7 +142,8 @@ class StepExecutor:
             prepared.new_blocks = None
 
     def forward(self, prepared: PreparedStep, started: Callable[[], None]) -> list[list[int] | None]:
-        """Run the model; return, per entry, its sampled tokens (one per sample) or None (prompt not done).
+        """Run the model; return, per entry, its sampled tokens (one per sample; a speculative step's, one or more
+        in order) or None (prompt not done).
 
         `started()` is called once the step is under way and about to leave Python for a while (just before the
         one-call decoder; at once on other paths): see `ForwardThread`."""
@@ -149,32 +155,40 @@ class StepExecutor:
             stream.wait_stream(torch.cuda.default_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else nullcontext():
             self.zero_new_blocks(p)
-            argmax = None
-            if p.static is not None:
-                started()
-                logits = self.static.forward(p.static)
-            elif self.decoder is not None and p.step.num_decodes == len(p.step.query_lens):
-                logits = self.decoder(p.input_ids, p.positions, p.step, started)
-                argmax = self.decoder.argmax
-            else:
-                started()
-                logits = self.model(
-                    input_ids=p.input_ids, position_ids=p.positions[None], use_cache=False, logits_to_keep=p.keep,
-                    **{STEP_KWARG: self.backend.prepare(p.step)},
-                ).logits[0]
             result: list[list[int] | None] = [None] * p.num_entries
-            if p.sampled_entries:
-                if len(p.params) > len(p.sampled_entries):  # forking rows draw several tokens from one row
-                    logits = logits.repeat_interleave(torch.tensor(p.samples_per_entry, device=logits.device), dim=0)
-                tokens = sample(logits, p.params, p.generators, argmax)
-                start = 0
-                for i, count in zip(p.sampled_entries, p.samples_per_entry):
-                    result[i] = tokens[start : start + count]
-                    start += count
+            if p.speculate:
+                runs = self.decoder.speculate(p.input_ids, p.positions, p.step, p.speculate, started)
+                for i, run in zip(p.sampled_entries, runs):
+                    result[i] = run
+            else:
+                self._forward(p, started, result)
             if stream is not None:
                 stream.synchronize()  # the step is over on the device too: its blocks may be handed out again
         self.forward_s = time.perf_counter() - t0
         return result
+
+    def _forward(self, p: PreparedStep, started: Callable[[], None], result: list[list[int] | None]) -> None:
+        argmax = None
+        if p.static is not None:
+            started()
+            logits = self.static.forward(p.static)
+        elif self.decoder is not None and p.step.num_decodes == len(p.step.query_lens):
+            logits = self.decoder(p.input_ids, p.positions, p.step, started)
+            argmax = self.decoder.argmax
+        else:
+            started()
+            logits = self.model(
+                input_ids=p.input_ids, position_ids=p.positions[None], use_cache=False, logits_to_keep=p.keep,
+                **{STEP_KWARG: self.backend.prepare(p.step)},
+            ).logits[0]
+        if p.sampled_entries:
+            if len(p.params) > len(p.sampled_entries):  # forking rows draw several tokens from one row
+                logits = logits.repeat_interleave(torch.tensor(p.samples_per_entry, device=logits.device), dim=0)
+            tokens = sample(logits, p.params, p.generators, argmax)
+            start = 0
+            for i, count in zip(p.sampled_entries, p.samples_per_entry):
+                result[i] = tokens[start : start + count]
+                start += count
 
 
 class ForwardThread:

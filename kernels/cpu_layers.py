@@ -118,24 +118,51 @@ class FusedDecoder:
 
     def __init__(self, model: nn.Module, packs: dict[nn.Module, "_LayerLinears"], head: cpu_linear.PanelLinear, kernels):
         self.model = model
-        specs, eps, windows = [], [], []
-        empty = head.packed.new_empty(0)  # no bias
+        self.kernels = kernels
+        layers = []
         for layer in model.model.layers:
             p = packs[layer]
-            tensors = [layer.input_layernorm.weight.detach(), p.qkv.packed, p.qkv.bias, p.o.packed, p.o.bias,
-                       layer.post_attention_layernorm.weight.detach(), p.gate_up.packed, p.gate_up.bias, p.down.packed,
-                       p.down.bias]
+            layers.append([p.qkv.packed, p.qkv.bias, p.o.packed, p.o.bias, p.gate_up.packed, p.gate_up.bias, p.down.packed,
+                           p.down.bias])
+        self.native = self._native(layers, head.packed, head.bias)
+        self._draft = None
+        self.argmax = kernels.argmax_rows
+        """torch.argmax's tokens, off OpenMP (see `argmax_rows` in `cpu_kernels.cpp`)."""
+
+    def _native(self, layers: list[list[torch.Tensor | None]], head: torch.Tensor, head_bias: torch.Tensor | None):
+        """The C++ decoder over these packed linears (per layer: q/k/v, o, gate/up and down, each with its bias)."""
+        model = self.model
+        specs, eps, windows = [], [], []
+        empty = torch.empty(0)  # no bias
+        for layer, (qkv, qkv_b, o, o_b, gate_up, gate_up_b, down, down_b) in zip(model.model.layers, layers):
+            tensors = [layer.input_layernorm.weight.detach(), qkv, qkv_b, o, o_b, layer.post_attention_layernorm.weight.detach(),
+                       gate_up, gate_up_b, down, down_b]
             specs.append([empty if t is None else t.contiguous() for t in tensors])
             eps += [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon]
             windows.append(WINDOW_OF[type(layer).__name__](layer) or 0)
         attn = model.model.layers[0].self_attn
         dim, norm = attn.head_dim, model.model.norm
-        self.native = kernels.FusedDecoder(specs, eps, windows, attn.q_proj.out_features // dim,
-                                           attn.k_proj.out_features // dim, dim, attn.scaling, norm.weight.detach(),
-                                           norm.variance_epsilon, head.packed, head.out_features,
-                                           empty if head.bias is None else head.bias)
-        self.argmax = kernels.argmax_rows
-        """torch.argmax's tokens, off OpenMP (see `argmax_rows` in `cpu_kernels.cpp`)."""
+        return self.kernels.FusedDecoder(specs, eps, windows, attn.q_proj.out_features // dim, attn.k_proj.out_features // dim,
+                                         dim, attn.scaling, norm.weight.detach(), norm.variance_epsilon, head,
+                                         model.lm_head.out_features, empty if head_bias is None else head_bias)
+
+    @property
+    def draft(self):
+        """The same decoder over int8 copies of the weights (each output feature on its own scale; built at the
+        first use: a quarter of the fp32 weights' memory), which proposes the tokens `speculate` checks."""
+        if self._draft is None:
+            pack = self.kernels.pack_panels_int8
+            layers = []
+            for layer in self.model.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
+                for linears in groups:
+                    layers.append(pack([m.weight.detach() for m in linears]))
+                    layers.append(_stacked_bias(linears))
+            per_layer = [layers[i : i + 8] for i in range(0, len(layers), 8)]
+            head = self.model.lm_head
+            self._draft = self._native(per_layer, pack([head.weight.detach()]), _stacked_bias([head]))
+        return self._draft
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step, started) -> torch.Tensor:
         """Logits [rows, vocab] of a decode-only step (`StepInputs` `step`, every row one token); `started()`
@@ -147,6 +174,43 @@ class FusedDecoder:
         started()
         return self.native.forward(x, cos, sin, step.keys, step.values, step.block_tables, step.group_of_layer,
                                    step.context_tensor, step.block_size)
+
+    def speculate(self, input_ids: torch.Tensor, positions: torch.Tensor, step, k: int, started) -> list[list[int]]:
+        """The greedy tokens of a decode-only step, one to k + 1 per row (speculative decoding).
+
+        The int8 `draft` proposes k tokens after each row's, one pass at a time (writing its own keys and
+        values into the row's next k cache slots); then one pass of the model itself runs each row's token and
+        its k proposals as k + 1 rows of consecutive positions over the same block table, overwriting those
+        slots. A row's tokens are the model's own up to and including the first that differs from the proposal
+        (those after it followed from a wrong token). Each of those passes' rows computes as it would alone
+        (every kernel here sums a row's outputs in the same order whatever the number of rows), so the tokens
+        are the same as k + 1 decode steps one after another would give."""
+        inner = self.model.model
+        rows, width = input_ids.shape[1], k + 1
+        span = (positions[:, None] + torch.arange(width)).reshape(1, -1)  # [1, rows * width]
+        cos, sin = inner.rotary_emb(inner.embed_tokens.weight[:1], span)
+        cos, sin = cos[0].view(rows, width, -1), sin[0].view(rows, width, -1)
+        ctx, tables = step.context_tensor, step.block_tables
+        proposed = [input_ids[0]]
+        draft = self.draft
+        started()
+        for j in range(k):
+            logits = draft.forward(inner.embed_tokens(proposed[-1]), cos[:, j].contiguous(), sin[:, j].contiguous(), step.keys,
+                                   step.values, tables, step.group_of_layer, ctx + j, step.block_size)
+            proposed.append(torch.tensor(self.argmax(logits)))
+        ids = torch.stack(proposed, 1)  # [rows, width]
+        logits = self.native.forward(
+            inner.embed_tokens(ids.reshape(-1)), cos.reshape(rows * width, -1), sin.reshape(rows * width, -1), step.keys,
+            step.values, [t.repeat_interleave(width, 0) for t in tables], step.group_of_layer,
+            (ctx[:, None] + torch.arange(width)).reshape(-1), step.block_size,
+        )
+        best, ids = self.argmax(logits), ids.tolist()
+        runs = []
+        for r in range(rows):
+            run = best[r * width : (r + 1) * width]
+            accepted = next((j for j in range(k) if run[j] != ids[r][j + 1]), k)
+            runs.append(run[: accepted + 1])
+        return runs
 
 
 def _stacked_bias(linears: list[nn.Linear]) -> torch.Tensor | None:

@@ -1,0 +1,141 @@
+"""Speculative decoding in the CPU's one-call decode steps: an int8 draft proposes, the model checks, and every
+request gets the tokens it gets without (and that `generate` gives)."""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+import pytest
+import torch
+from support import random_requests, reference, tiny_llama, tiny_mistral, tiny_qwen2
+
+from jitney import Engine, EngineConfig, Request, SamplingParams
+from jitney.core import events as ev
+from jitney.core.hooks import hookimpl
+from jitney.kernels import native
+
+
+class Steps:
+    def __init__(self):
+        self.steps: list[ev.StepCompleted] = []
+        self.prefills: list[ev.PrefillStarted] = []
+
+    @hookimpl
+    def jitney_on_events(self, events, engine):
+        self.steps += [e for e in events if isinstance(e, ev.StepCompleted)]
+        self.prefills += [e for e in events if isinstance(e, ev.PrefillStarted)]
+
+    @property
+    def drafted(self) -> int:
+        return sum(s.draft_tokens for s in self.steps)
+
+
+async def generate_all(engine: Engine, requests: list[Request]) -> list[list[int]]:
+    out: dict[str, list[int]] = {}
+
+    async def one(req: Request) -> None:
+        out[req.request_id] = (await engine.generate(req)).token_ids
+
+    async with anyio.create_task_group() as tg:
+        for req in requests:
+            tg.start_soon(one, req)
+    return [out[r.request_id] for r in requests]
+
+
+def greedy(prompt, n, **kw):
+    return Request(prompt, SamplingParams(max_new_tokens=n, **kw))
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
+@pytest.mark.parametrize("count", [1, 2, 3, 6])
+async def test_speculative_steps_give_generates_tokens(make, count):
+    # 1 request: 4 proposals a step; 2: 3; 3: 1 (8 rows at most); 6: none until some have ended
+    model = make()
+    work = random_requests(count, model.config.vocab_size, max_new=40, seed=count)
+    refs = [reference(model, p, n) for p, n in work]
+    steps = Steps()
+    config = EngineConfig(speculative_tokens=4, block_size=4, num_blocks=200)
+    async with Engine(model, config=config, plugins=[steps]) as engine:
+        assert engine.speculate == 4
+        assert await generate_all(engine, [greedy(p, n) for p, n in work]) == refs
+        assert engine.num_free_blocks == 200
+    assert steps.drafted > 0
+    assert all(0 <= s.accepted_tokens <= s.draft_tokens <= 8 - s.requests for s in steps.steps)
+    assert all(s.draft_tokens == 0 for s in steps.steps if s.requests > 4)
+
+
+async def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(llama):
+    prompt = list(range(5, 25))
+    ref = reference(llama, prompt, 40)
+    stop = ref[6]
+    first = ref.index(stop)
+    config = EngineConfig(speculative_tokens=4, block_size=4)
+    async with Engine(llama, config=config) as engine:
+        done = await engine.generate(greedy(prompt, 40, stop_token_ids=(stop,)))
+    assert done.token_ids == ref[: first + 1]
+    assert done.finish_reason == "stop"
+
+
+async def test_blocks_completed_in_speculative_steps_serve_later_prefixes(llama):
+    # the second prompt is the first request's prompt and output: its blocks, hashed as speculative steps
+    # completed them, must hold those tokens' keys and values
+    prompt = list(range(7, 30))
+    steps = Steps()
+    async with Engine(llama, config=EngineConfig(speculative_tokens=4, block_size=4), plugins=[steps]) as engine:
+        first = (await engine.generate(greedy(prompt, 30))).token_ids
+        longer = prompt + first
+        second = (await engine.generate(greedy(longer, 20))).token_ids
+    assert first == reference(llama, prompt, 30)
+    assert second == reference(llama, longer, 20)
+    assert steps.prefills[1].cached_tokens == (len(longer) - 1) // 4 * 4  # all but the token left to compute
+    assert steps.drafted > 0
+
+
+async def test_sampled_requests_and_large_batches_do_not_speculate(llama):
+    steps = Steps()
+    async with Engine(llama, config=EngineConfig(speculative_tokens=4), plugins=[steps]) as engine:
+        sampled = [Request(list(range(3, 12)), SamplingParams(max_new_tokens=12, temperature=0.8, seed=i)) for i in range(2)]
+        await generate_all(engine, sampled)
+        assert steps.drafted == 0
+        await generate_all(engine, [greedy(list(range(3 + i, 12)), 12) for i in range(5)])  # 5 rows x (1 + 1) > 8
+        assert steps.drafted == 0
+
+
+async def test_speculation_is_off_where_the_one_call_decoder_is_not(caplog):
+    model = tiny_mistral(window=8)  # sliding-window layers
+    work = random_requests(2, model.config.vocab_size, max_prompt=20, max_new=16, seed=2)
+    refs = [reference(model, p, n) for p, n in work]
+    with caplog.at_level(logging.WARNING, logger="jitney"):
+        async with Engine(model, config=EngineConfig(speculative_tokens=3, block_size=4)) as engine:
+            assert engine.speculate == 0
+            assert await generate_all(engine, [greedy(p, n) for p, n in work]) == refs
+    assert "speculative_tokens=3" in caplog.text
+
+
+def test_int8_panels_match_the_rounded_weights():
+    kernels = native.load()
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(300, 70, generator=g), torch.randn(300, generator=g)
+    scale = w.abs().amax(1, keepdim=True) / 127
+    rounded = (w / scale).round().clamp(-127, 127) * scale
+    packed = kernels.pack_panels_int8([w[:100], w[100:]])
+    assert packed.dtype == torch.int8 and packed.shape == (19, 70 * 16 + 64)
+    for rows in (1, 2, 5, 9):
+        x = torch.randn(rows, 70, generator=g)
+        # within one rounding step of a weight here and there (a division rounded differently under fast-math)
+        torch.testing.assert_close(kernels.panel_linear(x, packed, 300, b), x @ rounded.T + b, atol=0.05, rtol=1e-4)
+
+
+async def test_speculation_and_async_batching_together(llama):
+    # by default async batching turns speculation off; both asked for, speculative steps are simply not chained
+    # (here five requests decode in chained plain steps, the last few speculate)
+    work = random_requests(5, llama.config.vocab_size, max_prompt=10, max_new=30, seed=8)
+    refs = [reference(llama, p, n) for p, n in work]
+    steps = Steps()
+    async with Engine(llama, config=EngineConfig(block_size=4, use_async_batching=True)) as engine:
+        assert engine.speculate == 0
+    config = EngineConfig(block_size=4, use_async_batching=True, speculative_tokens=2)
+    async with Engine(llama, config=config, plugins=[steps]) as engine:
+        assert await generate_all(engine, [greedy(p, n) for p, n in work]) == refs
+    assert steps.drafted > 0 and any(s.ahead for s in steps.steps)
