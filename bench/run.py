@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import anyio
 import torch
 
-from jitney.bench.workloads import WORKLOADS, Workload, long_prompt
+from jitney.bench.workloads import WORKLOADS, Workload, long_prompt, single_chat
 from jitney.core.events import StepCompleted
 from jitney.core.hooks import hookimpl
 
@@ -22,8 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="mixed-64", choices=sorted(WORKLOADS))
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--modes", default="jitney,hf-cb,hf-static",
-                        help="comma-separated: jitney, jitney-nocache (prefix caching off), hf-cb (transformers "
-                             "continuous batching), hf-static (transformers generate)")
+                        help="comma-separated: jitney, jitney-nocache (prefix caching off), jitney-nospec "
+                             "(speculative decoding off), hf-cb (transformers continuous batching), hf-static "
+                             "(transformers generate)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies: one jitney run each")
     parser.add_argument("--num-blocks", type=int, default=None, help="jitney's cache size (default: the whole workload fits)")
     parser.add_argument("--cache-share", type=float, default=None,
@@ -112,6 +113,7 @@ class StepStats:
         self.query = self.hit = self.prefill = self.forward_s = self.steps = self.preemptions = 0
         self.gaps: list[float] = []  # seconds between consecutive tokens of a request, as its consumer saw them
         self.slots_allocated = self.slots_used = 0  # summed over steps: KV slots held vs tokens they hold
+        self.drafted = self.accepted = self.speculative_steps = 0
 
     @hookimpl
     def jitney_on_events(self, events, engine):
@@ -123,6 +125,9 @@ class StepStats:
                 self.forward_s += e.forward_s
                 self.steps += 1
                 self.preemptions += e.preemptions
+                self.drafted += e.draft_tokens
+                self.accepted += e.accepted_tokens
+                self.speculative_steps += e.draft_tokens > 0
                 cache = engine.cache
                 self.slots_allocated += sum(cache.blocks_held(s.request_id) for s in engine.active) * cache.block_size
                 self.slots_used += sum(s.num_computed for s in engine.active)
@@ -215,6 +220,8 @@ def runs(args) -> list[tuple[str, Callable]]:
                 out.append((label, lambda m, t, w, a, p=policy: run_jitney(m, t, w, a, eviction=p)))
         elif mode == "jitney-nocache":
             out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, sharing=False)))
+        elif mode == "jitney-nospec":
+            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, speculative_tokens=0)))
         elif mode in ("hf-cb", "hf-static"):
             out.append((mode, run_hf_cb if mode == "hf-cb" else run_hf_static))
         else:
@@ -249,7 +256,12 @@ def main(args) -> int:
         return print_report(measure(model, tokenizer), args.json_path)
     vocab = model.config.get_text_config().vocab_size
     # long-prompt is sized by the token budget it has to chunk across
-    work = long_prompt(vocab, args.max_batch_tokens) if args.workload == "long-prompt" else WORKLOADS[args.workload](vocab)
+    if args.workload == "long-prompt":
+        work = long_prompt(vocab, args.max_batch_tokens)
+    elif args.workload == "single-chat":
+        work = single_chat(tokenizer)
+    else:
+        work = WORKLOADS[args.workload](vocab)
     out_tokens = sum(n for _, n in work)
     print(f"workload {args.workload}: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt and "
           f"{out_tokens} output tokens; torch threads {torch.get_num_threads()}")
@@ -275,7 +287,9 @@ def main(args) -> int:
                     "steps": stats.steps, "forward_share": round(stats.forward_s / wall, 3),
                     "preemptions": stats.preemptions, "itl_p50_ms": round(1000 * gaps[len(gaps) // 2], 1),
                     "itl_p99_ms": round(1000 * gaps[int(len(gaps) * 0.99)], 1), "itl_max_ms": round(1000 * gaps[-1], 1),
-                    "kv_unused_share": round(1 - stats.slots_used / max(1, stats.slots_allocated), 4)}
+                    "kv_unused_share": round(1 - stats.slots_used / max(1, stats.slots_allocated), 4),
+                    "speculative_steps": stats.speculative_steps, "draft_tokens": stats.drafted,
+                    "draft_accepted_share": round(stats.accepted / max(1, stats.drafted), 3)}
         rows.append(row)
         print(f"  {label}: {wall:.1f} s (+{startup:.1f} s start-up)", flush=True)
     # This machine's speed drifts: probe again and take the faster reading (the roofline shares err low).
@@ -305,8 +319,12 @@ def main(args) -> int:
               f"{row['roofline_share']:>8.0%} {hit:>8} {computed:>15} {itl:>10} {preempted:>9} "
               f"{row['same_tokens_as_first']:>11.0%} {row['peak_rss_mib']:>12}")
     if len(work) == 1:
-        print("one stream, share of the weight-read limit: "
-              + ", ".join(f"{row['mode']} {row['weight_read_share']:.0%}" for row in rows))
+        print("one stream, share of the weight-read limit (one token a pass over the weights; speculative steps "
+              "take several): " + ", ".join(f"{row['mode']} {row['weight_read_share']:.0%}" for row in rows))
+    for row in rows:
+        if row.get("draft_tokens"):
+            print(f"{row['mode']}: {row['speculative_steps']} speculative steps of {row['steps']}, "
+                  f"{row['draft_accepted_share']:.0%} of {row['draft_tokens']} proposed tokens accepted")
     report = {"workload": args.workload, "requests": len(work), "output_tokens": out_tokens,
               "matmul_peak_gflops": peak, "matmul_peak_first_gflops": first_peak, "workload_gflop": gflop,
               "read_gbps": read, "read_first_gbps": first_read, "weight_bytes": weights,

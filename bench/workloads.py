@@ -58,8 +58,20 @@ def single_stream(vocab_size: int) -> Workload:
     return [([rng.randrange(100, vocab_size) for _ in range(16)], 128)]
 
 
+CHAT_QUESTION = "Explain how a refrigerator works, step by step."
+
+
+def single_chat(tokenizer) -> Workload:
+    """One request, a real question through the model's chat template, 128 new tokens: one stream on text.
+    (single-stream's random prompt sends SmolLM2 into a loop of one sentence, which a draft model predicts
+    better than text.)"""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_QUESTION}], add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # (a BatchEncoding in newer transformers)
+    return [(list(ids), 128)]
+
+
 WORKLOADS = {
-    "single-stream": single_stream,
+    "single-stream": single_stream, "single-chat": single_chat,
     "mixed-64": mixed_64, "long-prompt": long_prompt, "shared-prefix": shared_prefix, "multi-prefix": multi_prefix,
     "sharegpt-like": sharegpt_like,
 }

@@ -521,6 +521,8 @@ static inline void qpanel_tile_rows(int64_t rows, const float* xp, int64_t k, co
 }
 
 // `panel_rows` over int8 panels: rows in tiles of up to four, panels in pairs (two streams for the prefetcher).
+// (A single row through four panels at once read 17.6-22.2 against 15.9-17.5 GB/s alone over 134 MB, but the
+// draft's whole pass took the same 9.6-9.7 ms.)
 static void qpanel_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small) {
   constexpr int64_t TILE = 4;
   const int64_t k = w.k, n = w.n, width = k * PANEL + PANEL * 4;

@@ -6,6 +6,7 @@ import json
 
 from support import tiny_llama
 
+from jitney.bench.workloads import CHAT_QUESTION, single_chat
 from jitney.cli import main as cli
 
 
@@ -33,13 +34,23 @@ def test_bench_runs_each_mode_and_writes_json_and_a_plot(tmp_path):
 def test_bench_gives_one_stream_its_share_of_the_weight_read_limit(tmp_path):
     tiny_llama().save_pretrained(tmp_path / "tiny")
     out = tmp_path / "bench.json"
-    assert cli(["bench", "--model", str(tmp_path / "tiny"), "--workload", "single-stream", "--modes", "jitney",
+    assert cli(["bench", "--model", str(tmp_path / "tiny"), "--workload", "single-stream", "--modes", "jitney,jitney-nospec",
                 "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    (row,) = report["rows"]
+    row, plain = report["rows"]
     limit = report["read_gbps"] * 1e9 / report["weight_bytes"]
     assert report["weight_read_limit_tok_s"] == round(limit, 1)
     assert row["weight_read_share"] == round(row["output_tok_s"] / limit, 3)
+    # speculative steps by default, none without; the same tokens either way
+    assert row["draft_tokens"] > 0 and row["speculative_steps"] > 0 and 0 <= row["draft_accepted_share"] <= 1
+    assert plain["draft_tokens"] == 0 and plain["same_tokens_as_first"] == 1.0
+    assert row["steps"] < plain["steps"]
+
+
+def test_single_chat_is_a_real_question_through_the_chat_template(smollm2):
+    _, tokenizer = smollm2
+    ((prompt, n),) = single_chat(tokenizer)
+    assert n == 128 and CHAT_QUESTION in tokenizer.decode(prompt) and len(prompt) > 20
 
 
 def test_null_executor_times_the_engine_alone(tmp_path):

@@ -50,7 +50,7 @@ def greedy(prompt, n, **kw):
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
 @pytest.mark.parametrize("count", [1, 2, 3, 6])
 async def test_speculative_steps_give_generates_tokens(make, count):
-    # 1 request: 4 proposals a step; 2: 3; 3: 1 (8 rows at most); 6: none until some have ended
+    # 1 request: 4 proposals a step; 2: 3 (8 rows at most); 3 or 6: none until some have ended (at least 2 each)
     model = make()
     work = random_requests(count, model.config.vocab_size, max_new=40, seed=count)
     refs = [reference(model, p, n) for p, n in work]
@@ -62,7 +62,7 @@ async def test_speculative_steps_give_generates_tokens(make, count):
         assert engine.num_free_blocks == 200
     assert steps.drafted > 0
     assert all(0 <= s.accepted_tokens <= s.draft_tokens <= 8 - s.requests for s in steps.steps)
-    assert all(s.draft_tokens == 0 for s in steps.steps if s.requests > 4)
+    assert all(s.draft_tokens == 0 for s in steps.steps if s.requests > 2)
 
 
 async def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(llama):
@@ -98,7 +98,7 @@ async def test_sampled_requests_and_large_batches_do_not_speculate(llama):
         sampled = [Request(list(range(3, 12)), SamplingParams(max_new_tokens=12, temperature=0.8, seed=i)) for i in range(2)]
         await generate_all(engine, sampled)
         assert steps.drafted == 0
-        await generate_all(engine, [greedy(list(range(3 + i, 12)), 12) for i in range(5)])  # 5 rows x (1 + 1) > 8
+        await generate_all(engine, [greedy(list(range(3 + i, 12)), 12) for i in range(3)])  # 3 rows x (1 + 2) > 8
         assert steps.drafted == 0
 
 
