@@ -339,7 +339,7 @@ class Engine:
         cfg, count = self.config, len(entries)
         k = min(self.speculate, cfg.speculative_max_rows // count - 1, cfg.max_batch_tokens // count - 1)
         decoding = RequestStatus.DECODING
-        for seq, n in entries:
+        for seq, n in entries if k >= 2 else ():
             if n != 1 or seq.status is not decoding or not seq.params.greedy or seq.remaining != 1:
                 return 0
             k = min(k, seq.max_new_tokens - len(seq.output_ids) - 1)

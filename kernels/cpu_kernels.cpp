@@ -368,21 +368,30 @@ torch::Tensor pack_panels(std::vector<torch::Tensor> ws) {
 // largest weight's magnitude / 127): [ceil(N / 16), K * 16 + 64] bytes, each panel's K * 16 weights followed by
 // its 16 fp32 scales. A quarter of the bytes, for a draft model whose tokens are only proposals.
 torch::Tensor pack_panels_int8(std::vector<torch::Tensor> ws) {
-  const auto w = torch::cat(ws).contiguous();
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat && w.device().is_cpu(), "pack_panels_int8: fp32 CPU weights [N, K]");
-  const int64_t n = w.size(0), k = w.size(1), width = k * PANEL + PANEL * 4;
+  TORCH_CHECK(!ws.empty(), "pack_panels_int8: at least one weight");
+  const int64_t k = ws[0].size(1), width = k * PANEL + PANEL * 4;
+  int64_t n = 0;
+  for (const auto& w : ws) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == k && w.scalar_type() == torch::kFloat && w.device().is_cpu(),
+                "pack_panels_int8: fp32 CPU weights [N, K]");
+    n += w.size(0);
+  }
   auto out = huge_page_tensor({(n + PANEL - 1) / PANEL, width}, torch::kChar);
   int8_t* op = out.data_ptr<int8_t>();
-  const float* wp = w.data_ptr<float>();
-  for (int64_t j = 0; j < n; ++j) {
-    const float* row = wp + j * k;
-    float top = 0.f;
-    for (int64_t c = 0; c < k; ++c) top = std::max(top, std::abs(row[c]));
-    const float scale = top > 0.f ? top / 127.f : 1.f;
-    int8_t* panel = op + (j / PANEL) * width;
-    for (int64_t c = 0; c < k; ++c)
-      panel[c * PANEL + j % PANEL] = (int8_t)std::max(-127.f, std::min(127.f, std::nearbyint(row[c] / scale)));
-    std::memcpy(panel + k * PANEL + (j % PANEL) * 4, &scale, 4);
+  int64_t j = 0;  // output feature
+  for (const auto& block : ws) {
+    const auto w = block.contiguous();
+    const float* wp = w.data_ptr<float>();
+    for (int64_t i = 0; i < w.size(0); ++i, ++j) {
+      const float* row = wp + i * k;
+      float top = 0.f;
+      for (int64_t c = 0; c < k; ++c) top = std::max(top, std::abs(row[c]));
+      const float scale = top > 0.f ? top / 127.f : 1.f;
+      int8_t* panel = op + (j / PANEL) * width;
+      for (int64_t c = 0; c < k; ++c)
+        panel[c * PANEL + j % PANEL] = (int8_t)std::max(-127.f, std::min(127.f, std::nearbyint(row[c] / scale)));
+      std::memcpy(panel + k * PANEL + (j % PANEL) * 4, &scale, 4);
+    }
   }
   return out;
 }
