@@ -27,6 +27,8 @@ class PrometheusMetrics:
         self.prefix_hits = Counter("jitney_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", registry=r)
         self.prompt_tokens = Counter("jitney_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generated = Counter("jitney_generation_tokens", "Tokens generated", registry=r)
+        self.drafted = Counter("jitney_draft_tokens", "Tokens proposed by the speculative draft", registry=r)
+        self.accepted = Counter("jitney_draft_accepted_tokens", "Proposed tokens the model agreed with", registry=r)
         self.finished = Counter("jitney_requests_finished", "Finished requests", ["reason"], registry=r)
         self._queued: dict[str, float] = {}
         self._last: dict[str, float] = {}
@@ -47,6 +49,9 @@ class PrometheusMetrics:
                 self.preemptions.inc(e.preemptions)
                 self.prefix_queries.inc(e.prefix_query_tokens)
                 self.prefix_hits.inc(e.prefix_hit_tokens)
+                if e.draft_tokens:
+                    self.drafted.inc(e.draft_tokens)
+                    self.accepted.inc(e.accepted_tokens)
             elif isinstance(e, ev.RequestQueued):
                 self._queued[e.request_id] = e.t
             elif isinstance(e, ev.PrefillStarted):

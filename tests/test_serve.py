@@ -145,10 +145,12 @@ def test_metrics_move(server, client):
         assert samples, f"{name} is not exported"
         return sum(samples)
 
-    before = value("jitney_generation_tokens_total"), value("jitney_time_to_first_token_seconds_count")
+    before = value("jitney_generation_tokens_total"), value("jitney_time_to_first_token_seconds_count"), value("jitney_draft_tokens_total")
     client.completions.create(model="smollm2", prompt="Hello", max_tokens=5, temperature=0)
-    after = value("jitney_generation_tokens_total"), value("jitney_time_to_first_token_seconds_count")
+    after = value("jitney_generation_tokens_total"), value("jitney_time_to_first_token_seconds_count"), value("jitney_draft_tokens_total")
     assert after[0] - before[0] == 5 and after[1] - before[1] == 1
+    assert after[2] > before[2]  # one greedy request alone: its decode steps speculated
+    assert 0 <= value("jitney_draft_accepted_tokens_total") <= after[2]
     for name in ("jitney_inter_token_latency_seconds_count", "jitney_request_latency_seconds_count", "jitney_queue_time_seconds_count",
                  "jitney_requests_running", "jitney_kv_cache_usage_ratio", "jitney_preemptions_total",
                  "jitney_prefix_cache_query_tokens_total"):
