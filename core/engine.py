@@ -329,6 +329,12 @@ class Engine:
             entries, t0, queried, hit, ran_ahead = next_entries, time.perf_counter(), 0, 0, True
             marks = (self.cache.blocks_demoted, self.preempter.total)
 
+    @property
+    def _least_proposals(self) -> int:
+        # one proposal each did not pay for its draft pass (3 SmolLM2 streams: 57-69 vs 63-72 tok/s), unless
+        # that is what was asked for
+        return min(2, self.speculate)
+
     def _speculation(self, entries: list[tuple[Sequence, int]]) -> int:
         """Draft tokens for each request of this step, their cache reserved; 0 for a plain step. Only where every
         entry decodes one greedy sample, nothing waits for the cache, and the rows with their proposals (at
@@ -336,14 +342,14 @@ class Engine:
         token."""
         if self.waiting or self.preempter.offloaded:
             return 0
-        cfg, count = self.config, len(entries)
+        cfg, count, least = self.config, len(entries), self._least_proposals
         k = min(self.speculate, cfg.speculative_max_rows // count - 1, cfg.max_batch_tokens // count - 1)
         decoding = RequestStatus.DECODING
-        for seq, n in entries if k >= 2 else ():
+        for seq, n in entries if k >= least else ():
             if n != 1 or seq.status is not decoding or not seq.params.greedy or seq.remaining != 1:
                 return 0
             k = min(k, seq.max_new_tokens - len(seq.output_ids) - 1)
-        if k < 2:  # one proposal each does not pay for its draft pass (3 SmolLM2 streams: 57-69 vs 63-72 tok/s)
+        if k < least:
             return 0
         for seq, _ in entries:
             if not self.cache.reserve(seq.request_id, seq.num_tokens + k):
@@ -366,7 +372,7 @@ class Engine:
                 if not self.cache.reserve(seq.request_id, seq.num_tokens + 1):
                     return None
                 rows.append(i)
-        if not rows or (self.speculate and 2 * len(rows) <= self.config.speculative_max_rows):
+        if not rows or (self.speculate and (1 + self._least_proposals) * len(rows) <= self.config.speculative_max_rows):
             return None  # (few enough rows to speculate: the next step goes through `_speculation`)
         ahead = [(entries[i][0], 1) for i in rows]
         return ahead, self.executor.prepare(ahead, ahead=True), rows

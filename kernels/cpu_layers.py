@@ -13,7 +13,9 @@ run unchanged.
 Where every decoder layer of a Llama, Mistral or Qwen2 causal LM is fused, decode steps skip even those calls:
 `FusedDecoder` runs all the layers, the final norm and the LM head in one C++ call (the same kernels in the
 same order, over the same packed weights), the embedding and rotary angles through the model's own modules.
-At batch 1 on SmolLM2 the Python between the layers was ~4 ms of a ~23 ms step.
+At batch 1 on SmolLM2 the Python between the layers was ~4 ms of a ~23 ms step. `FusedDecoder.speculate` runs
+speculative decode steps: the same decoder over int8 copies of the weights proposes tokens, the fp32 one checks
+them all in one pass.
 """
 
 from __future__ import annotations
@@ -148,20 +150,19 @@ class FusedDecoder:
 
     @property
     def draft(self):
-        """The same decoder over int8 copies of the weights (each output feature on its own scale; built at the
-        first use: a quarter of the fp32 weights' memory), which proposes the tokens `speculate` checks."""
+        """The same decoder over int8 copies of the weights (each output feature on its own scale: a quarter of
+        the fp32 weights' memory; packed at the first use), which proposes the tokens `speculate` checks."""
         if self._draft is None:
             pack = self.kernels.pack_panels_int8
             layers = []
             for layer in self.model.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
-                for linears in groups:
-                    layers.append(pack([m.weight.detach() for m in linears]))
-                    layers.append(_stacked_bias(linears))
-            per_layer = [layers[i : i + 8] for i in range(0, len(layers), 8)]
+                packed = []
+                for linears in ([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]):
+                    packed += [pack([m.weight.detach() for m in linears]), _stacked_bias(linears)]
+                layers.append(packed)
             head = self.model.lm_head
-            self._draft = self._native(per_layer, pack([head.weight.detach()]), _stacked_bias([head]))
+            self._draft = self._native(layers, pack([head.weight.detach()]), _stacked_bias([head]))
         return self._draft
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step, started) -> torch.Tensor:

@@ -139,3 +139,13 @@ async def test_speculation_and_async_batching_together(llama):
     async with Engine(llama, config=config, plugins=[steps]) as engine:
         assert await generate_all(engine, [greedy(p, n) for p, n in work]) == refs
     assert steps.drafted > 0 and any(s.ahead for s in steps.steps)
+
+
+async def test_one_proposal_a_step_when_asked_for(llama):
+    # by default a step speculates only with two proposals or more a request; asked for one, it gets one
+    prompt = list(range(4, 20))
+    ref = reference(llama, prompt, 20)
+    steps = Steps()
+    async with Engine(llama, config=EngineConfig(speculative_tokens=1, block_size=4), plugins=[steps]) as engine:
+        assert (await engine.generate(greedy(prompt, 20))).token_ids == ref
+    assert steps.drafted > 0 and all(s.draft_tokens <= 1 for s in steps.steps)
