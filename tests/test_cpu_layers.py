@@ -147,3 +147,14 @@ def test_argmax_rows_matches_torch_with_ties_and_nan(kernels):
     x[0, 10] = x[0, 20] = 1e9  # a tie: the first one
     x[1, 30] = x[1, 40] = float("nan")  # NaN above all, the first one
     assert kernels.argmax_rows(x) == x.argmax(-1).tolist() == [10, 30]
+
+
+@pytest.mark.parametrize("n", [1, 7, 15, 16, 17, 24, 100, 49152])
+def test_argmax_rows_matches_torch_on_many_ties(kernels, n):
+    # few distinct values: ties within a lane of eight, across lanes and in the tail; -inf rows; a NaN late
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(0, 5, (6, n), generator=g).float()
+    x[1] = float("-inf")
+    x[2, -1] = 9.0  # the largest last
+    x[3, n // 2] = float("nan")
+    assert kernels.argmax_rows(x) == x.argmax(-1).tolist()
