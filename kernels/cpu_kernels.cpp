@@ -1033,6 +1033,25 @@ class FusedDecoder {
     return logits;
   }
 
+  // k greedy tokens after each row's token `ids` ([M] int64), one `forward` each with no Python between them
+  // (the draft of a speculative step): pass j embeds each row's latest token (rows of `embedding` [V, C]) at
+  // position ctx - 1 + j with the angles cos/sin[:, j] ([M, >= k, D]). Returns [M, k] int64.
+  torch::Tensor propose(torch::Tensor embedding, torch::Tensor ids, torch::Tensor cos, torch::Tensor sin,
+                        std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<torch::Tensor> tables,
+                        std::vector<int64_t> group_of_layer, torch::Tensor ctx, int64_t block_size, int64_t k) {
+    TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && cos.dim() == 3 && cos.size(0) == ids.size(0) &&
+                cos.size(1) >= k && sin.sizes() == cos.sizes(), "FusedDecoder.propose: ids [M], angles [M, >= k, D]");
+    auto out = torch::empty({ids.size(0), k}, ids.options());
+    torch::Tensor last = ids;
+    for (int64_t j = 0; j < k; ++j) {
+      const auto logits = forward(embedding.index_select(0, last), cos.select(1, j).contiguous(), sin.select(1, j).contiguous(),
+                                  keys, values, tables, group_of_layer, ctx + j, block_size);
+      last = torch::tensor(argmax_rows(logits), ids.options());
+      out.select(1, j).copy_(last);
+    }
+    return out;
+  }
+
  private:
   struct Layer {
     const float* norm_in;
@@ -1066,5 +1085,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<FusedDecoder>(m, "FusedDecoder")
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<double>, std::vector<int64_t>, int64_t, int64_t,
                     int64_t, double, torch::Tensor, double, torch::Tensor, int64_t, torch::Tensor>())
-      .def("forward", &FusedDecoder::forward, nogil);
+      .def("forward", &FusedDecoder::forward, nogil)
+      .def("propose", &FusedDecoder::propose, nogil);
 }

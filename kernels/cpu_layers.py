@@ -192,14 +192,11 @@ class FusedDecoder:
         cos, sin = inner.rotary_emb(inner.embed_tokens.weight[:1], span)
         cos, sin = cos[0].view(rows, width, -1), sin[0].view(rows, width, -1)
         ctx, tables = step.context_tensor, step.block_tables
-        proposed = [input_ids[0]]
         draft = self.draft
         started()
-        for j in range(k):
-            logits = draft.forward(inner.embed_tokens(proposed[-1]), cos[:, j].contiguous(), sin[:, j].contiguous(), step.keys,
-                                   step.values, tables, step.group_of_layer, ctx + j, step.block_size)
-            proposed.append(torch.tensor(self.argmax(logits)))
-        ids = torch.stack(proposed, 1)  # [rows, width]
+        proposed = draft.propose(inner.embed_tokens.weight.detach(), input_ids[0], cos, sin, step.keys, step.values, tables,
+                                 step.group_of_layer, ctx, step.block_size, k)
+        ids = torch.cat([input_ids[0][:, None], proposed], 1)  # [rows, width]
         logits = self.native.forward(
             inner.embed_tokens(ids.reshape(-1)), cos.reshape(rows * width, -1), sin.reshape(rows * width, -1), step.keys,
             step.values, [t.repeat_interleave(width, 0) for t in tables], step.group_of_layer,
