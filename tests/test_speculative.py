@@ -149,3 +149,16 @@ async def test_one_proposal_a_step_when_asked_for(llama):
     async with Engine(llama, config=EngineConfig(speculative_tokens=1, block_size=4), plugins=[steps]) as engine:
         assert (await engine.generate(greedy(prompt, 20))).token_ids == ref
     assert steps.drafted > 0 and all(s.draft_tokens <= 1 for s in steps.steps)
+
+
+@pytest.mark.parametrize("offload", [0.0, 0.01])
+async def test_speculation_under_a_cache_too_small_for_both_requests(llama, offload):
+    # 2 x 6 blocks at most, 9 in the cache: proposals' slots run out, one request is offloaded or soft reset
+    work = [(list(range(10 + i, 18 + i)), 16) for i in range(2)]
+    refs = [reference(llama, p, n) for p, n in work]
+    steps = Steps()
+    config = EngineConfig(block_size=4, num_blocks=9, cpu_offload_space=offload, speculative_tokens=4)
+    async with Engine(llama, config=config, plugins=[steps]) as engine:
+        assert await generate_all(engine, [greedy(p, n) for p, n in work]) == refs
+        assert engine.num_free_blocks == 9
+    assert steps.drafted > 0 and sum(s.preemptions for s in steps.steps) > 0
