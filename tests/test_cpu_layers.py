@@ -157,4 +157,5 @@ def test_argmax_rows_matches_torch_on_many_ties(kernels, n):
     x[1] = float("-inf")
     x[2, -1] = 9.0  # the largest last
     x[3, n // 2] = float("nan")
+    x[4, 0] = x[4, -1] = float("nan")  # the first of two
     assert kernels.argmax_rows(x) == x.argmax(-1).tolist()
