@@ -321,7 +321,7 @@ class Engine:
                 running = chained
             # A request that ends here still has a row in the step now running: its blocks may be handed
             # out again at once, since that row's writes land before any later step writes for a new owner.
-            self._apply(entries, tokens)
+            self._apply_runs(entries, tokens) if drafts else self._apply(entries, tokens)
             accepted = sum(len(run) - 1 for run in tokens) if drafts else 0
             self._step_completed(entries, t0, marks, queried, hit, ran_ahead, forward_s, drafts * len(entries), accepted)
             if ahead is None:
@@ -431,9 +431,6 @@ class Engine:
             status = seq.status
             if status is not decoding and status.done:  # aborted while its forward ran
                 continue
-            if status is decoding and len(drawn) > 1:  # (a decode's tokens are never None)
-                self._accept(seq, drawn, now)
-                continue
             computed = seq.num_computed = seq.num_computed + n
             if computed // bs != (computed - n) // bs:  # a block completed: hash it
                 cache.commit(seq)
@@ -447,17 +444,21 @@ class Engine:
                 self._first_tokens(seq, drawn, now)
         self._wake_streams()
 
-    def _accept(self, seq: Sequence, run: list[int], now: float) -> None:
-        """A speculative decode's tokens, each taken as a decode step would take it: the slot before it computed
-        (the step ran the token before it there), then handed out (the request may end at any of them)."""
+    def _apply_runs(self, entries: list[tuple[Sequence, int]], runs: list[list[int]]) -> None:
+        """A speculative step's tokens (every entry a greedy decode: `_speculation`), each taken as a decode step
+        would take it: the slot before it computed (the step ran the token before it there), then handed out;
+        a request may end at any of them."""
+        now = time.perf_counter()
         bs = self.cache.block_size
-        for tok in run:
-            computed = seq.num_computed = seq.num_computed + 1
-            if computed % bs == 0:  # a block completed: hash it
-                self.cache.commit(seq)
-            self._emit(seq, tok, now)
-            if seq.status.done:
-                return
+        for (seq, _), run in zip(entries, runs):
+            for tok in run:
+                if seq.status.done:  # aborted while its forward ran, or ended on the token before
+                    break
+                computed = seq.num_computed = seq.num_computed + 1
+                if computed % bs == 0:  # a block completed: hash it
+                    self.cache.commit(seq)
+                self._emit(seq, tok, now)
+        self._wake_streams()
 
     def _first_tokens(self, seq: Sequence, drawn: list[int], now: float) -> None:
         """A prompt is done (first computed, or again after a soft reset): its samples fork and take their

@@ -13,6 +13,7 @@
 #include <thread>
 #include <sys/mman.h>
 #include <unistd.h>
+#include <utility>
 #include <vector>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -341,15 +342,21 @@ static torch::Tensor huge_page_tensor(const std::vector<int64_t>& sizes, torch::
 }
 
 // The row blocks `ws` ([N_i, K] each) stacked, so that q, k and v (or gate and up) projections compute as one.
-torch::Tensor pack_panels(std::vector<torch::Tensor> ws) {
+// Output features and input width of the row blocks `ws` stacked (fp32 CPU [N_i, K] each).
+static std::pair<int64_t, int64_t> stacked_shape(const std::vector<torch::Tensor>& ws) {
   TORCH_CHECK(!ws.empty(), "pack_panels: at least one weight");
   const int64_t k = ws[0].size(1);
   int64_t n = 0;
   for (const auto& w : ws) {
-    TORCH_CHECK(w.dim() == 2 && w.size(1) == k && w.scalar_type() == torch::kFloat, "pack_panels: fp32 weights [N, K]");
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == k && w.scalar_type() == torch::kFloat && w.device().is_cpu(),
+                "pack_panels: fp32 weights [N, K], on the CPU");
     n += w.size(0);
   }
-  TORCH_CHECK(ws[0].device().is_cpu(), "pack_panels: CPU weights");
+  return {n, k};
+}
+
+torch::Tensor pack_panels(std::vector<torch::Tensor> ws) {
+  const auto [n, k] = stacked_shape(ws);
   auto out = huge_page_tensor({(n + PANEL - 1) / PANEL, k, PANEL});
   float* op = out.data_ptr<float>();
   int64_t j = 0;  // output feature
@@ -368,14 +375,8 @@ torch::Tensor pack_panels(std::vector<torch::Tensor> ws) {
 // largest weight's magnitude / 127): [ceil(N / 16), K * 16 + 64] bytes, each panel's K * 16 weights followed by
 // its 16 fp32 scales. A quarter of the bytes, for a draft model whose tokens are only proposals.
 torch::Tensor pack_panels_int8(std::vector<torch::Tensor> ws) {
-  TORCH_CHECK(!ws.empty(), "pack_panels_int8: at least one weight");
-  const int64_t k = ws[0].size(1), width = k * PANEL + PANEL * 4;
-  int64_t n = 0;
-  for (const auto& w : ws) {
-    TORCH_CHECK(w.dim() == 2 && w.size(1) == k && w.scalar_type() == torch::kFloat && w.device().is_cpu(),
-                "pack_panels_int8: fp32 CPU weights [N, K]");
-    n += w.size(0);
-  }
+  const auto [n, k] = stacked_shape(ws);
+  const int64_t width = k * PANEL + PANEL * 4;
   auto out = huge_page_tensor({(n + PANEL - 1) / PANEL, width}, torch::kChar);
   int8_t* op = out.data_ptr<int8_t>();
   int64_t j = 0;  // output feature
