@@ -251,6 +251,10 @@ class CacheManager:
     def block_table(self, request_id: str, group: int) -> list[int]:
         return self._tables[request_id][group]
 
+    def block_tables(self, request_ids: list[str], group: int) -> list[list[int]]:
+        tables = self._tables
+        return [tables[r][group] for r in request_ids]
+
     def holds(self, request_id: str) -> bool:
         return request_id in self._tables
 

@@ -82,6 +82,64 @@ class StepExecutor:
         return prepared
 
     def _build(self, entries: list[tuple[Sequence, int]], ahead: bool) -> PreparedStep:
+        seqs, ids, positions, qlens, ctx, sampled_rows, sampled_entries = (
+            self._decode_rows(entries, ahead) or self._mixed_rows(entries, ahead))
+        cache = self.cache
+        request_ids = [s.request_id for s in seqs]
+        rows = [cache.block_tables(request_ids, g) for g in range(len(cache.groups))]
+        if len(sampled_entries) == len(entries) == len(ids) and not any(s.forks for s in seqs):
+            params, generators = [s.params for s in seqs], [s.generator for s in seqs]
+            samples_per_entry = [1] * len(entries)
+        else:
+            samplers = [[entries[i][0]] + entries[i][0].forks for i in sampled_entries]
+            params = [s.params for group in samplers for s in group]
+            generators = [s.generator for group in samplers for s in group]
+            samples_per_entry = [len(group) for group in samplers]
+        if self.static is not None and len(sampled_entries) == len(entries) == len(ids) == len(params):
+            # every row a decode, no forks: the step runs at a padded shape (decodes keep their order)
+            return PreparedStep(
+                num_entries=len(entries), input_ids=None, positions=None, keep=None, step=None,
+                sampled_entries=sampled_entries, samples_per_entry=samples_per_entry, params=params,
+                generators=generators, static=self.static.prepare(ids, positions, rows),
+            )
+        tables = []
+        for g, group_rows in enumerate(rows):
+            width = max(len(r) for r in group_rows)
+            tables.append(int_table(group_rows, width, cache.pools[g].padding_block, device=self.device))
+        pos = int_tensor(positions, self.device)
+        step = StepInputs(
+            query_lens=qlens, context_lens=ctx, num_decodes=qlens.count(1), positions=pos,
+            block_tables=tables, group_of_layer=cache.group_of_layer, block_size=cache.block_size,
+            padding_slot=cache.padding_slot, keys=cache.keys, values=cache.values,
+        )
+        return PreparedStep(
+            num_entries=len(entries), input_ids=int_tensor(ids, self.device)[None], positions=pos,
+            keep=int_tensor(sampled_rows or [len(ids) - 1], self.device), step=step,
+            sampled_entries=sampled_entries, samples_per_entry=samples_per_entry, params=params,
+            generators=generators,
+        )
+
+    @staticmethod
+    def _decode_rows(entries: list[tuple[Sequence, int]], ahead: bool) -> tuple | None:
+        """The rows of a step where every entry decodes (the common step at many requests), in a few list
+        comprehensions instead of `_mixed_rows`' loop; None when an entry is not a decode."""
+        seqs = [s for s, n in entries if n == 1]
+        if len(seqs) != len(entries):
+            return None
+        lengths = [len(s.prompt_ids) + len(s.output_ids) for s in seqs]
+        if ahead:
+            positions, ids = lengths, [0] * len(seqs)
+        else:
+            positions = [s.num_computed for s in seqs]
+            if [p + 1 for p in positions] != lengths:  # a one-token prefill chunk
+                return None
+            ids = [(s.output_ids or s.prompt_ids)[-1] for s in seqs]  # a decode runs the latest token
+        ctx = [p + 1 for p in positions]
+        every = list(range(len(seqs)))
+        return seqs, ids, positions, [1] * len(seqs), ctx, every, every
+
+    @staticmethod
+    def _mixed_rows(entries: list[tuple[Sequence, int]], ahead: bool) -> tuple:
         # Rows with one query token (decodes) go first: the backend batches them in one call.
         order = sorted(range(len(entries)), key=lambda i: entries[i][1] != 1)
         ids: list[int] = []
@@ -97,34 +155,7 @@ class StepExecutor:
             if ahead or start + n == seq.num_tokens:
                 sampled_rows.append(len(ids) - 1)
                 sampled_entries.append(i)
-        cache = self.cache
-        rows = [[cache.block_table(entries[i][0].request_id, g) for i in order] for g in range(len(cache.groups))]
-        samplers = [[entries[i][0]] + entries[i][0].forks for i in sampled_entries]
-        params = [s.params for group in samplers for s in group]
-        generators = [s.generator for group in samplers for s in group]
-        if self.static is not None and len(sampled_entries) == len(entries) == len(ids) == len(params):
-            # every row a decode, no forks: the step runs at a padded shape (decodes keep their order)
-            return PreparedStep(
-                num_entries=len(entries), input_ids=None, positions=None, keep=None, step=None,
-                sampled_entries=sampled_entries, samples_per_entry=[1] * len(entries), params=params,
-                generators=generators, static=self.static.prepare(ids, positions, rows),
-            )
-        tables = []
-        for g, group_rows in enumerate(rows):
-            width = max(len(r) for r in group_rows)
-            tables.append(int_table(group_rows, width, cache.pools[g].padding_block, device=self.device))
-        pos = int_tensor(positions, self.device)
-        step = StepInputs(
-            query_lens=qlens, context_lens=ctx, num_decodes=sum(1 for n in qlens if n == 1), positions=pos,
-            block_tables=tables, group_of_layer=cache.group_of_layer, block_size=cache.block_size,
-            padding_slot=cache.padding_slot, keys=cache.keys, values=cache.values,
-        )
-        return PreparedStep(
-            num_entries=len(entries), input_ids=int_tensor(ids, self.device)[None], positions=pos,
-            keep=int_tensor(sampled_rows or [len(ids) - 1], self.device), step=step,
-            sampled_entries=sampled_entries, samples_per_entry=[len(group) for group in samplers],
-            params=params, generators=generators,
-        )
+        return [entries[i][0] for i in order], ids, positions, qlens, ctx, sampled_rows, sampled_entries
 
     def set_tokens(self, prepared: PreparedStep, token_ids: list[int]) -> None:
         """Give a step prepared `ahead` its input tokens, one per entry in entry order."""

@@ -140,21 +140,37 @@ class BatchBuilder:
         return "ok"
 
     def add_active(self, seqs: list[Sequence]) -> None:
+        """Add running requests in the given order, until a budget is spent."""
+        self._add_active(seqs, prefills_last=False)
+
+    def add_decodes_then_prefills(self, seqs: list[Sequence]) -> None:
+        """``add_active(decodes_then_prefills(seqs))`` in one pass over `seqs` (the FIFO order)."""
+        self._add_active(seqs, prefills_last=True)
+
+    def _add_active(self, seqs: list[Sequence], prefills_last: bool) -> None:
         # Most of a step's requests are decodes within their last block: those join here at the cost of a few
         # integer tests (a scheduler's hottest loop); `add` takes the others. The cache always holds a request's
         # computed tokens, so a decode whose position is not the first of a block needs no new one.
         bs = self.cache.block_size
         entries = self.batch.entries
+        prefills = []
         for seq in seqs:
             computed = seq.num_computed
+            left = len(seq.prompt_ids) + len(seq.output_ids) - computed
+            if left != 1 and prefills_last:
+                if left > 1:
+                    prefills.append(seq)
+                continue
             reads = computed // bs + 1
-            if (computed % bs and len(seq.prompt_ids) + len(seq.output_ids) == computed + 1 and self.tokens_left
-                    and self.requests_left and reads <= self.blocks_left):
+            if left == 1 and computed % bs and self.tokens_left and self.requests_left and reads <= self.blocks_left:
                 entries.append((seq, 1))
                 self.tokens_left -= 1
                 self.requests_left -= 1
                 self.blocks_left -= reads
             elif self.add(seq) == "full":
+                return
+        for seq in prefills:
+            if self.add(seq) == "full":
                 return
 
     def add_waiting(self, seqs: list[Sequence]) -> Sequence | None:

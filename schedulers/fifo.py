@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jitney.core.config import EngineConfig
 from jitney.core.sequence import Sequence
-from jitney.schedulers.base import Batch, BatchBuilder, CacheView, decodes, decodes_then_prefills, prefills
+from jitney.schedulers.base import Batch, BatchBuilder, CacheView, decodes, prefills
 
 
 class FifoScheduler:
@@ -19,7 +19,7 @@ class FifoScheduler:
 
     def schedule(self, waiting: list[Sequence], active: list[Sequence], cache: CacheView) -> Batch:
         b = BatchBuilder(self.config, cache, self.safety_margin)
-        b.add_active(decodes_then_prefills(active))
+        b.add_decodes_then_prefills(active)
         b.add_waiting(waiting)
         return b.batch
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jitney.core.sequence import Sequence
-from jitney.schedulers.base import Batch, BatchBuilder, CacheView, decodes_then_prefills
+from jitney.schedulers.base import Batch, BatchBuilder, CacheView
 from jitney.schedulers.fifo import FifoScheduler
 
 
@@ -21,7 +21,7 @@ class PriorityScheduler(FifoScheduler):
         for level in sorted({s.request.priority for s in waiting + active}):
             mine = [s for s in active if s.request.priority == level]
             stalled_before = len(b.batch.stalled)
-            b.add_active(decodes_then_prefills(mine))
+            b.add_decodes_then_prefills(mine)
             short = sum(need for _, need in b.batch.stalled[stalled_before:])
             blocked = b.add_waiting([s for s in waiting if s.request.priority == level])
             if blocked is not None:

@@ -284,3 +284,23 @@ async def test_packed_cpu_weights_are_used_while_running_and_removed_after(llama
         done = await engine.generate(greedy([4, 5, 6], 8))
     assert "forward" not in vars(proj)
     assert done.token_ids == ref
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_decode_steps_rows_are_those_of_the_general_path(ahead):
+    from jitney.core.executor import StepExecutor
+    from jitney.core.sequence import Sequence
+
+    def decoding(prompt: list[int], outputs: list[int]) -> Sequence:
+        s = Sequence(greedy(prompt, 50), prompt, frozenset(), 0)
+        s.output_ids = list(outputs)
+        s.num_computed = len(prompt) + len(outputs) - 1
+        return s
+
+    entries = [(decoding([5, 6, 7], []), 1), (decoding([5, 6], [9, 11, 4]), 1), (decoding(list(range(40)), [3]), 1)]
+    fast = StepExecutor._decode_rows(entries, ahead)
+    assert fast is not None and fast == StepExecutor._mixed_rows(entries, ahead)
+    assert fast[1] == ([0, 0, 0] if ahead else [7, 4, 3])  # each row's token: the latest one
+    chunk = decoding(list(range(20)), [])
+    chunk.num_computed = 10  # a one-token chunk of a prompt: not a decode
+    assert StepExecutor._decode_rows(entries + [(chunk, 1)], ahead=False) is None

@@ -174,3 +174,30 @@ def test_decodes_then_prefills_is_the_two_helpers_in_one_pass():
     active = [seq(30, i, computed=rng.choice([0, 12, 29, 30, 30, 31]), outputs=1) for i in range(40)]  # 31 tokens each
     assert decodes_then_prefills(active) == decodes(active) + prefills(active)
     assert 0 < len(decodes(active)) < len(prefills(active)) + len(decodes(active)) < len(active)  # all three kinds
+
+
+@pytest.mark.parametrize("tokens, requests", [(10_000, 256), (25, 256), (10_000, 9)])
+def test_one_pass_batch_is_the_batch_of_decodes_then_prefills(tokens, requests):
+    from jitney.schedulers import BatchBuilder, decodes_then_prefills
+
+    rng = random.Random(5)
+    active = []
+    for i in range(40):  # decodes within a block and at a block's first slot (4 here), prefills, one done
+        outputs = rng.choice([1, 3])
+        total = 30 + outputs
+        active.append(seq(30, i, computed=rng.choice([0, 12, total - 2, total - 1, total - 1, total]), outputs=outputs))
+    assert {s.num_computed % 4 for s in active if s.remaining == 1} == {0, 2}
+    config = EngineConfig(max_batch_tokens=tokens, max_requests_per_batch=requests)
+    built = []
+    for one_pass in (True, False):
+        c = cache(num_blocks=400)
+        activate(c, *active)
+        b = BatchBuilder(config, c, 0.0)
+        b.add_decodes_then_prefills(active) if one_pass else b.add_active(decodes_then_prefills(active))
+        built.append(([(s.request_id, n) for s, n in b.batch.entries], b.tokens_left, b.requests_left))
+    assert built[0] == built[1]
+    entries, tokens_left, requests_left = built[0]
+    if (tokens, requests) == (10_000, 256):  # nothing limits: every decode, then every prefill
+        assert {n > 1 for _, n in entries} == {True, False}
+    else:  # a budget ran out part-way
+        assert tokens_left == 0 or requests_left == 0
