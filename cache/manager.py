@@ -6,6 +6,7 @@ import math
 import mmap
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from jitney.cache.eviction import EvictionPolicy
@@ -45,6 +46,56 @@ def _storage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     raw = torch.frombuffer(buffer, dtype=torch.uint8)
     start = -raw.data_ptr() % huge  # from a huge page's boundary
     return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+class TableRows:
+    """Every request's block tables again, as rows of one int64 array per group (padded with the group's
+    padding block), kept in step with the lists by `CacheManager`: a step's tables are then one indexing
+    call, where packing them from the lists cost ~35% of preparing a decode step at 256 requests (4,400
+    block ids)."""
+
+    def __init__(self, pads: list[int], slots: int = 64, width: int = 64):
+        self.pads = pads
+        self.rows = [np.full((slots, width), pad, dtype=np.int64) for pad in pads]
+        self.lens = np.zeros(slots, dtype=np.int64)
+        self.slot: dict[str, int] = {}
+        self.free = list(range(slots - 1, -1, -1))
+
+    def write(self, request_id: str, tables: list[list[int]], start: int = 0) -> None:
+        """Copy `tables[g][start:]` into the request's rows (every group's table has the same length)."""
+        slot = self.slot.get(request_id)
+        if slot is None:
+            if not self.free:
+                self._grow(len(self.lens) * 2, self.rows[0].shape[1])
+            slot = self.slot[request_id] = self.free.pop()
+        n = len(tables[0])
+        if n > self.rows[0].shape[1]:
+            self._grow(len(self.lens), max(n, 2 * self.rows[0].shape[1]))
+        for rows, table in zip(self.rows, tables):
+            rows[slot, start:n] = table[start:]
+        self.lens[slot] = n
+
+    def drop(self, request_id: str) -> None:
+        slot = self.slot.pop(request_id, None)
+        if slot is not None:
+            for rows, pad in zip(self.rows, self.pads):
+                rows[slot, : self.lens[slot]] = pad
+            self.lens[slot] = 0
+            self.free.append(slot)
+
+    def gather(self, request_ids: list[str], group: int) -> torch.Tensor:
+        """[len(request_ids), longest table] the requests' tables in this group, in their order."""
+        slots = np.fromiter(map(self.slot.__getitem__, request_ids), dtype=np.int64, count=len(request_ids))
+        return torch.from_numpy(self.rows[group][slots, : int(self.lens[slots].max())])
+
+    def _grow(self, slots: int, width: int) -> None:
+        old = len(self.lens)
+        grown = [np.full((slots, width), pad, dtype=np.int64) for pad in self.pads]
+        for new, rows in zip(grown, self.rows):
+            new[:old, : rows.shape[1]] = rows
+        self.rows = grown
+        self.lens = np.concatenate([self.lens, np.zeros(slots - old, dtype=np.int64)])
+        self.free.extend(range(slots - 1, old - 1, -1))
 
 
 class CacheManager:
@@ -90,6 +141,7 @@ class CacheManager:
             t[pad].zero_()
         self.padding_slot = num_blocks * block_size
         self._tables: dict[str, list[list[int]]] = {}
+        self.rows = TableRows([pool.padding_block for pool in self.pools])
         self._unzeroed: list[list[int]] = [[] for _ in self.groups]  # per group, see `take_new_blocks`
         self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's completed blocks
 
@@ -122,10 +174,12 @@ class CacheManager:
         if any(pool.num_free < need for pool in self.pools):
             return False
         tables = self._tables.setdefault(request_id, [[] for _ in self.groups])
+        held = len(tables[0])
         for pool, table, unzeroed in zip(self.pools, tables, self._unzeroed):
             fresh = pool.allocate(need)
             unzeroed.extend(fresh)
             table.extend(fresh)
+        self.rows.write(request_id, tables, held)
         return True
 
     def take_new_blocks(self) -> list[list[int]]:
@@ -176,6 +230,7 @@ class CacheManager:
         if blocks:
             self._tables[seq.request_id] = [blocks]
             self._hashes[seq.request_id] = hashes
+            self.rows.write(seq.request_id, [blocks])
         seq.num_computed = len(blocks) * bs
         return seq.num_computed
 
@@ -200,6 +255,7 @@ class CacheManager:
         tables = self._tables.get(request_id)
         if tables is None:
             return
+        slid = False
         for group, pool, table in zip(self.groups, self.pools, tables):
             if group.window is None:
                 continue
@@ -207,6 +263,9 @@ class CacheManager:
                 if table[i] != pool.padding_block:
                     pool.free([table[i]])
                     table[i] = pool.padding_block
+                    slid = True
+        if slid:
+            self.rows.write(request_id, tables)
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> bool:
         """Give `child_id` the parent's cache for its first `num_tokens` tokens: full blocks are shared, the
@@ -226,6 +285,7 @@ class CacheManager:
                 mine = mine + [copy]
             tables.append(mine)
         self._tables[child_id] = tables
+        self.rows.write(child_id, tables)
         if self.prefix_caching:
             self._hashes[child_id] = self._hashes.get(parent_id, [])[:full]
         return True
@@ -244,6 +304,7 @@ class CacheManager:
         that did not start); hashed ones stay cached."""
         tables = self._tables.pop(request_id, None)
         self._hashes.pop(request_id, None)
+        self.rows.drop(request_id)
         if tables is not None:
             for pool, table in zip(self.pools, tables):
                 pool.free([b for b in table if b != pool.padding_block])
@@ -254,6 +315,11 @@ class CacheManager:
     def block_tables(self, request_ids: list[str], group: int) -> list[list[int]]:
         tables = self._tables
         return [tables[r][group] for r in request_ids]
+
+    def block_table_tensor(self, request_ids: list[str], group: int) -> torch.Tensor:
+        """[requests, longest table] int64 on the CPU: the requests' block tables in `group`, padded with its
+        padding block (what `int_table` makes of `block_tables`, without building it from lists)."""
+        return self.rows.gather(request_ids, group)
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._tables

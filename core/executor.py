@@ -86,7 +86,6 @@ class StepExecutor:
             self._decode_rows(entries, ahead) or self._mixed_rows(entries, ahead))
         cache = self.cache
         request_ids = [s.request_id for s in seqs]
-        rows = [cache.block_tables(request_ids, g) for g in range(len(cache.groups))]
         if len(sampled_entries) == len(entries) == len(ids) and not any(s.forks for s in seqs):
             params, generators = [s.params for s in seqs], [s.generator for s in seqs]
             samples_per_entry = [1] * len(entries)
@@ -100,12 +99,10 @@ class StepExecutor:
             return PreparedStep(
                 num_entries=len(entries), input_ids=None, positions=None, keep=None, step=None,
                 sampled_entries=sampled_entries, samples_per_entry=samples_per_entry, params=params,
-                generators=generators, static=self.static.prepare(ids, positions, rows),
+                generators=generators, static=self.static.prepare(
+                    ids, positions, [cache.block_tables(request_ids, g) for g in range(len(cache.groups))]),
             )
-        tables = []
-        for g, group_rows in enumerate(rows):
-            width = max(len(r) for r in group_rows)
-            tables.append(int_table(group_rows, width, cache.pools[g].padding_block, device=self.device))
+        tables = [cache.block_table_tensor(request_ids, g).to(self.device) for g in range(len(cache.groups))]
         pos = int_tensor(positions, self.device)
         step = StepInputs(
             query_lens=qlens, context_lens=ctx, num_decodes=qlens.count(1), positions=pos,

@@ -127,3 +127,41 @@ def test_the_solved_cache_takes_the_memory_it_predicts():
     grown, predicted, allocated = map(int, out.split())
     assert allocated == predicted <= 128 * 2**20
     assert 0.9 * predicted <= grown <= 1.1 * predicted
+
+
+def test_the_block_table_rows_follow_the_tables_through_every_change():
+    import random
+
+    from jitney.kernels.base import int_table
+
+    # a full group and a sliding one; few starting rows and columns, so that both grow
+    cache = make_cache(num_blocks=400, groups=[LayerGroup("full", (0,)), LayerGroup("sliding", (1,), window=8)])
+    cache.rows = type(cache.rows)(cache.rows.pads, slots=2, width=2)
+    rng = random.Random(3)
+    tokens: dict[str, int] = {}
+    for step in range(300):
+        held = sorted(tokens)
+        roll = rng.random()
+        if roll < 0.1 or not held:
+            tokens[f"r{step}"] = 0
+        elif roll < 0.2:
+            victim = rng.choice(held)
+            cache.release(victim)
+            del tokens[victim]
+        elif roll < 0.25:
+            parent = rng.choice(held)
+            if tokens[parent] and cache.fork(parent, f"f{step}", tokens[parent]):
+                tokens[f"f{step}"] = tokens[parent]
+        else:
+            rid = rng.choice(held)
+            if cache.reserve(rid, tokens[rid] + rng.randint(1, 20)):
+                tokens[rid] += rng.randint(1, 5)
+                cache.slide(rid, tokens[rid])
+        ids = [r for r in sorted(tokens) if cache.holds(r)]
+        rng.shuffle(ids)
+        for g in range(2) if ids else ():
+            lists = cache.block_tables(ids, g)
+            assert torch.equal(cache.block_table_tensor(ids, g),
+                               int_table(lists, max(map(len, lists)), cache.pools[g].padding_block))
+    assert len(cache.rows.lens) > 2 and cache.rows.rows[0].shape[1] > 2  # it grew both ways
+    assert any(cache.pools[1].padding_block in t for t in cache.block_tables(ids, 1))  # blocks slid out
