@@ -442,11 +442,7 @@ class Engine:
                 out.append(tok)
                 count = len(out)
                 events.append(generated(t=now, request_id=seq.request_id, tokens=1, total=count))
-                collector = seq.collector
-                pending = collector.pending
-                if not pending:
-                    woken.append(collector)
-                pending.append((seq.index, tok))
+                woken.append(seq.collector)  # (its consumer reads the token from `output_ids`)
                 if tok in seq.stop_ids or (seq.stop_strings and self._hit_stop_string(seq)):
                     self._finish(seq, "stop")
                 elif count >= seq.max_new_tokens:
@@ -502,7 +498,7 @@ class Engine:
             self.events.append(ev.FirstToken(t=now, request_id=seq.request_id, ttft=now - seq.t_queued))
 
     def _wake_streams(self) -> None:
-        """Wake the consumers of this step's tokens, once each (a request's samples share one)."""
+        """Wake the consumers of this step's tokens (a request's samples share one: woken again, it is awake)."""
         for collector in self._woken:
             collector.ready.set()  # (`Collector.wake`, inlined: a call per request)
         self._woken = []
@@ -522,11 +518,9 @@ class Engine:
         out.append(tok)
         count = len(out)
         self.events.append(ev.TokensGenerated(t=now, request_id=seq.request_id, tokens=1, total=count))
-        collector = seq.collector
-        pending = collector.pending
-        if not pending:  # the first token for it this step (or since its consumer last read)
-            self._woken.append(collector)
-        pending.append((seq.index, tok))
+        woken = self._woken
+        if not woken or woken[-1] is not seq.collector:  # (a speculative step emits a few tokens in a row)
+            woken.append(seq.collector)
         if tok in seq.stop_ids or (seq.stop_strings and self._hit_stop_string(seq)):
             self._finish(seq, "stop")
         elif count >= seq.max_new_tokens:

@@ -13,17 +13,18 @@ from jitney.core.request import Request, RequestStatus
 class Collector:
     """What the consumer of one request reads: new tokens of all its samples, and whether they have all ended.
 
-    Single-slot: the engine appends and sets the event; the consumer takes everything pending at once, so a
-    slow consumer never holds the engine back and never sees an unbounded queue of wake-ups.
+    Single-slot: the engine appends a step's tokens to the samples' `output_ids` and sets the event; the
+    consumer takes everything it has not read yet at once, so a slow consumer never holds the engine back
+    and never sees an unbounded queue of wake-ups.
     """
 
-    __slots__ = ("samples", "pending", "ready", "open")
+    __slots__ = ("samples", "read", "ready", "open")
 
     def __init__(self) -> None:
         self.samples: list[Sequence] = []
-        # (sample index, token id): the engine appends a step's tokens, then calls `wake` once (waking a task is
-        # most of the cost of a hand-over)
-        self.pending: list[tuple[int, int]] = []
+        # per sample (by index), how many of its output tokens the consumer has taken: the engine hands a
+        # token over by appending it to `output_ids` alone (a step of 256 decodes builds no list per request)
+        self.read: list[int] = []
         self.ready = anyio.Event()
         self.open = 0  # samples not ended yet
 
@@ -40,7 +41,13 @@ class Collector:
         self.ready.set()
 
     def take(self) -> list[tuple[int, int]]:
-        out, self.pending = self.pending, []
+        """(sample index, token id) of every token not taken yet, sample by sample."""
+        out = []
+        for s in self.samples:
+            ids, start = s.output_ids, self.read[s.index]
+            if len(ids) > start:
+                out += [(s.index, t) for t in ids[start:]]
+                self.read[s.index] = len(ids)
         if not self.done:
             # the event loop's own event class, made directly: `anyio.Event()` looks the loop up each time
             # (~1 µs, for every token of every request)
@@ -91,6 +98,7 @@ class Sequence:
         self.error: str | None = None
         self.collector = collector or Collector()
         self.collector.samples.append(self)
+        self.collector.read.append(0)
         self.collector.open += 1
         self.forks: list[Sequence] = []  # samples that fork from this one when its prompt is done
         self.t_queued = time.perf_counter()
