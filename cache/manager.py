@@ -72,7 +72,10 @@ class TableRows:
         if n > self.rows[0].shape[1]:
             self._grow(len(self.lens), max(n, 2 * self.rows[0].shape[1]))
         for rows, table in zip(self.rows, tables):
-            rows[slot, start:n] = table[start:]
+            if n - start == 1:  # (a decode's next block: one element, ~4x cheaper than a slice from a list)
+                rows[slot, start] = table[start]
+            else:
+                rows[slot, start:n] = table[start:]
         self.lens[slot] = n
 
     def drop(self, request_id: str) -> None:
