@@ -500,7 +500,7 @@ class Engine:
     def _wake_streams(self) -> None:
         """Wake the consumers of this step's tokens (a request's samples share one: woken again, it is awake)."""
         for collector in self._woken:
-            collector.ready.set()  # (`Collector.wake`, inlined: a call per request)
+            collector.ready.set()
         self._woken = []
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:

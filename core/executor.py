@@ -18,7 +18,7 @@ from jitney.core.graphs import StaticDecoder, StaticDecodeStep
 from jitney.core.request import SamplingParams
 from jitney.core.sampling import sample
 from jitney.core.sequence import Sequence
-from jitney.kernels.base import STEP_KWARG, AttentionBackend, StepInputs, int_table, int_tensor
+from jitney.kernels.base import STEP_KWARG, AttentionBackend, StepInputs, int_tensor
 
 
 @dataclass

@@ -32,9 +32,6 @@ class Collector:
     def done(self) -> bool:
         return self.open == 0
 
-    def wake(self) -> None:
-        self.ready.set()
-
     def end(self) -> None:
         """The news that one sample ended; wakes the consumer at once."""
         self.open -= 1
