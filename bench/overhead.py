@@ -74,11 +74,14 @@ class PhaseTimes:
 
 def measure(model, tokenizer, requests: int = 256, prompt_len: int = 64, new_tokens: int = 200, block_size: int = 16) -> dict:
     """Run `requests` requests through the engine with the model replaced by `NullForward`; per-step times
-    once every request is decoding."""
+    once every request is decoding. Prompts are `prompt_len` plus 0 to `block_size` - 1 tokens, so that, as
+    in real traffic, a sixteenth of the requests starts a new block at every step (with equal prompts all of
+    them would, together, every sixteenth step, and the median step would see none)."""
     from jitney import Engine, EngineConfig, Request, SamplingParams
 
-    blocks = requests * -(-(prompt_len + new_tokens) // block_size)
-    config = EngineConfig(num_blocks=blocks, block_size=block_size, max_batch_tokens=requests * prompt_len,
+    longest = prompt_len + block_size - 1
+    blocks = requests * -(-(longest + new_tokens) // block_size)
+    config = EngineConfig(num_blocks=blocks, block_size=block_size, max_batch_tokens=requests * longest,
                           max_requests_per_batch=requests)
     times = StepTimes()
     engine = Engine(model, tokenizer, config, plugins=[times])
@@ -88,7 +91,8 @@ def measure(model, tokenizer, requests: int = 256, prompt_len: int = 64, new_tok
     async def main() -> None:
         async with engine, anyio.create_task_group() as tg:
             for i in range(requests):
-                tg.start_soon(engine.generate, Request([100 + i % 50] * prompt_len, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)))
+                prompt = [100 + i % 50] * (prompt_len + i % block_size)
+                tg.start_soon(engine.generate, Request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)))
 
     t = time.perf_counter()
     anyio.run(main)

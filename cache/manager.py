@@ -171,13 +171,17 @@ class CacheManager:
 
     def reserve(self, request_id: str, num_tokens: int) -> bool:
         """Grow a request's tables to hold `num_tokens` tokens in every group, or change nothing and say no."""
-        need = self.blocks_needed(request_id, num_tokens)
-        if need == 0:
+        # (at every step for a sixteenth of the decodes, at block_size 16: `blocks_needed` inlined, no generator)
+        tables = self._tables.get(request_id)
+        held = len(tables[0]) if tables else 0
+        need = -(-num_tokens // self.block_size) - held
+        if need <= 0:
             return True
-        if any(pool.num_free < need for pool in self.pools):
-            return False
-        tables = self._tables.setdefault(request_id, [[] for _ in self.groups])
-        held = len(tables[0])
+        for pool in self.pools:
+            if pool.num_free < need:
+                return False
+        if tables is None:
+            tables = self._tables[request_id] = [[] for _ in self.groups]
         for pool, table, unzeroed in zip(self.pools, tables, self._unzeroed):
             fresh = pool.allocate(need)
             unzeroed.extend(fresh)
