@@ -56,6 +56,7 @@ class TableRows:
 
     def __init__(self, pads: list[int], slots: int = 64, width: int = 64):
         self.pads = pads
+        self.width = width
         self.rows = [np.full((slots, width), pad, dtype=np.int64) for pad in pads]
         self.lens = np.zeros(slots, dtype=np.int64)
         self.slot: dict[str, int] = {}
@@ -69,12 +70,13 @@ class TableRows:
                 self._grow(len(self.lens) * 2, self.rows[0].shape[1])
             slot = self.slot[request_id] = self.free.pop()
         n = len(tables[0])
-        if n > self.rows[0].shape[1]:
-            self._grow(len(self.lens), max(n, 2 * self.rows[0].shape[1]))
-        for rows, table in zip(self.rows, tables):
-            if n - start == 1:  # (a decode's next block: one element, ~4x cheaper than a slice from a list)
+        if n > self.width:
+            self._grow(len(self.lens), max(n, 2 * self.width))
+        if n - start == 1:  # (a decode's next block: one element, ~4x cheaper than a slice from a list)
+            for rows, table in zip(self.rows, tables):
                 rows[slot, start] = table[start]
-            else:
+        else:
+            for rows, table in zip(self.rows, tables):
                 rows[slot, start:n] = table[start:]
         self.lens[slot] = n
 
@@ -96,7 +98,7 @@ class TableRows:
         grown = [np.full((slots, width), pad, dtype=np.int64) for pad in self.pads]
         for new, rows in zip(grown, self.rows):
             new[:old, : rows.shape[1]] = rows
-        self.rows = grown
+        self.rows, self.width = grown, width
         self.lens = np.concatenate([self.lens, np.zeros(slots - old, dtype=np.int64)])
         self.free.extend(range(slots - 1, old - 1, -1))
 

@@ -55,14 +55,17 @@ class BlockPool:
         return self.clock
 
     def allocate(self, n: int) -> list[int]:
-        if n > self.num_free:
+        # (every step, for each decode that starts a block: the free count and the clock's tick inlined)
+        free = self._free
+        if n > len(free) + len(self._cached):
             raise RuntimeError(f"asked for {n} blocks, {self.num_free} available")
         out = []
         for _ in range(n):
-            block_id = self._free.pop() if self._free else self._demote()
+            block_id = free.pop() if free else self._demote()
             block = self.blocks[block_id]
             block.ref_count = 1
-            block.created = block.last_access = self._tick()
+            self.clock += 1
+            block.created = block.last_access = self.clock
             block.hits = 0
             out.append(block_id)
         return out

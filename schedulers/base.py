@@ -112,7 +112,7 @@ class BatchBuilder:
             if self.batch.entries and cache.num_free_blocks < self.reserve_floor:
                 return "cache"
             cache.match_prefix(seq)
-        n = seq.remaining
+        n = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed  # (`remaining`, without the call)
         if n > self.tokens_left:
             n = self.tokens_left
         total = seq.num_computed + n
