@@ -86,7 +86,9 @@ class StepExecutor:
             self._decode_rows(entries, ahead) or self._mixed_rows(entries, ahead))
         cache = self.cache
         request_ids = [s.request_id for s in seqs]
-        if len(sampled_entries) == len(entries) == len(ids) and not any(s.forks for s in seqs):
+        # every row a decode that samples once (no forks)
+        plain = len(sampled_entries) == len(entries) == len(ids) and not any(s.forks for s in seqs)
+        if plain:
             params, generators = [s.params for s in seqs], [s.generator for s in seqs]
             samples_per_entry = [1] * len(entries)
         else:
@@ -94,8 +96,7 @@ class StepExecutor:
             params = [s.params for group in samplers for s in group]
             generators = [s.generator for group in samplers for s in group]
             samples_per_entry = [len(group) for group in samplers]
-        if self.static is not None and len(sampled_entries) == len(entries) == len(ids) == len(params):
-            # every row a decode, no forks: the step runs at a padded shape (decodes keep their order)
+        if self.static is not None and plain:  # the step runs at a padded shape (decodes keep their order)
             return PreparedStep(
                 num_entries=len(entries), input_ids=None, positions=None, keep=None, step=None,
                 sampled_entries=sampled_entries, samples_per_entry=samples_per_entry, params=params,

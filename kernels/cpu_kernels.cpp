@@ -341,7 +341,6 @@ static torch::Tensor huge_page_tensor(const std::vector<int64_t>& sizes, torch::
   return torch::from_blob(data, sizes, [chunk](void*) mutable { chunk.reset(); }, torch::dtype(dtype));
 }
 
-// The row blocks `ws` ([N_i, K] each) stacked, so that q, k and v (or gate and up) projections compute as one.
 // Output features and input width of the row blocks `ws` stacked (fp32 CPU [N_i, K] each).
 static std::pair<int64_t, int64_t> stacked_shape(const std::vector<torch::Tensor>& ws) {
   TORCH_CHECK(!ws.empty(), "pack_panels: at least one weight");
@@ -355,6 +354,7 @@ static std::pair<int64_t, int64_t> stacked_shape(const std::vector<torch::Tensor
   return {n, k};
 }
 
+// The row blocks `ws` ([N_i, K] each) stacked, so that q, k and v (or gate and up) projections compute as one.
 torch::Tensor pack_panels(std::vector<torch::Tensor> ws) {
   const auto [n, k] = stacked_shape(ws);
   auto out = huge_page_tensor({(n + PANEL - 1) / PANEL, k, PANEL});
