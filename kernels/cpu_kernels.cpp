@@ -598,7 +598,8 @@ static void qpanel_rows(const float* xp, int64_t m, const Panels& w, float* yp, 
 }
 
 // y = x @ w.T (+ b) ([M, K] -> [M, N]) over `pack_panels` weights. Threads split the panels; rows go through
-// in tiles of up to 6 (12 accumulators), blocks of rows sized so that x stays in L2 while a panel is reused.
+// in tiles of up to 6 (12 accumulators), blocks of rows sized so that x stays in L2 while a panel is reused
+// (with 512-bit vectors, more than three rows take the tiles of `panel_tile16` instead).
 static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small) {
   if (w.q) {
     qpanel_rows(xp, m, w, yp, small);
