@@ -613,21 +613,27 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
 #ifdef __AVX512F__
   if (m > 3) {
     // Pairs of panels through 16-wide vectors, in one parallel region: each unit of work is one block of
-    // rows (x stays in L2) times one pair of panels, block after block, and each thread takes the next unit
-    // as it finishes one. (Split in equal shares per block, the faster core waited for the slower one at
-    // every block: 11% of a prefill step's samples in OpenMP's barrier.)
+    // rows (x stays in L2) times one pair of panels, block after block. Each thread works through its own
+    // run of units, prefetching the next one's panels, then takes what is left of the others' runs. (Split
+    // in equal shares per block, the faster core waited for the slower one at every block: 11% of a prefill
+    // step's samples in OpenMP's barrier.)
     constexpr int64_t TILE16 = 12;  // 24 accumulators of the 32 registers
     const int64_t rows16 = std::max<int64_t>(TILE16, rows_per_block / TILE16 * TILE16);
-    const int64_t pairs = panels / 2, blocks = (m + rows16 - 1) / rows16;
-    std::atomic<int64_t> next_unit{0};
-    parallel(at::get_num_threads(), 1, small, [&](int64_t, int64_t) {
-      for (int64_t u; (u = next_unit.fetch_add(1, std::memory_order_relaxed)) < blocks * pairs;) {
-        const int64_t first = u / pairs * rows16, last = std::min(m, first + rows16), p = 2 * (u % pairs);
-        const float *panel = pp + p * k * PANEL, *b = bias ? bias + p * PANEL : nullptr;
-        const int64_t j = p * PANEL, cols2 = std::min(PANEL, n - j - PANEL);
-        for (int64_t r = first; r < last; r += TILE16) {
-          const float* next = r == first && p + 2 < 2 * pairs ? panel + 2 * k * PANEL : nullptr;
-          panel_tile16_rows<TILE16>(std::min(TILE16, last - r), xp + r * k, k, panel, yp + r * n + j, n, cols2, b, next);
+    const int64_t pairs = panels / 2, units = (m + rows16 - 1) / rows16 * pairs;
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+    std::vector<std::atomic<int64_t>> taken(threads);  // run t is units [units * t / threads, units * (t + 1) / threads)
+    for (int64_t t = 0; t < threads; ++t) taken[t].store(units * t / threads, std::memory_order_relaxed);
+    parallel(threads, 1, small, [&](int64_t begin, int64_t) {
+      for (int64_t i = 0; i < threads; ++i) {
+        const int64_t t = (begin + i) % threads, end = units * (t + 1) / threads;
+        for (int64_t u; (u = taken[t].fetch_add(1, std::memory_order_relaxed)) < end;) {
+          const int64_t first = u / pairs * rows16, last = std::min(m, first + rows16), p = 2 * (u % pairs);
+          const float *panel = pp + p * k * PANEL, *b = bias ? bias + p * PANEL : nullptr;
+          const int64_t j = p * PANEL, cols2 = std::min(PANEL, n - j - PANEL);
+          const float* next = u + 1 < end ? pp + 2 * ((u + 1) % pairs) * k * PANEL : nullptr;
+          for (int64_t r = first; r < last; r += TILE16)
+            panel_tile16_rows<TILE16>(std::min(TILE16, last - r), xp + r * k, k, panel, yp + r * n + j, n, cols2, b,
+                                      r == first ? next : nullptr);
         }
       }
     });
