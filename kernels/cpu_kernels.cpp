@@ -475,8 +475,8 @@ typedef float v16 __attribute__((vector_size(64)));
 // Where the CPU has 512-bit vectors: ROWS rows x the 32 outputs of two neighbouring panels, one 16-wide
 // vector per panel and row (2 * ROWS accumulators), each of the two panels' weights loaded once per tile.
 // Each output sums in the same order as in `panel_tile`, so both give the same values. On a two-core AVX-512
-// machine, SmolLM2's linears at 16-256 rows (best of four alternating processes): `panel_tile` on 8-wide
-// vectors 116-119 GFLOP/s, this at 6 / 8 / 12 rows a tile 159-223 / 181-230 / 219-295 (torch's probe: 226-262).
+// machine, SmolLM2's linears at 16-256 rows: `panel_tile` on 8-wide vectors 113-119 GFLOP/s (one shape, one run), this
+// at 6 / 8 / 12 rows a tile 159-223 / 181-230 / 219-295 (best of four alternating processes; torch's probe: 226-262).
 template <int ROWS>
 static inline void panel_tile16(const float* xp, int64_t k, const float* panel, float* yp, int64_t ldy, int64_t cols2,
                                 const float* bias, const float* next) {
