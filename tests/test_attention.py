@@ -54,6 +54,16 @@ def test_cpu_prefill_over_many_key_groups_matches_dense(dim, window):
     check_against_dense(cpu_backend, 16, 9, 3, window, dim, [(30, 1), (0, 70), (45, 38), (100, 5)])
 
 
+@pytest.mark.parametrize("dim", [16, 80, 128])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_cpu_decode_over_head_sizes_and_groups_matches_dense(dim, heads, kv_heads, window):
+    """Decode rows through the CPU kernel's 16-wide path (where the CPU has 512-bit vectors): head sizes of
+    one, five (four and one) and eight vectors, groups of one, four and six query heads a KV head, contexts
+    of one position to several groups of 16, and a window."""
+    check_against_dense(cpu_backend, 16, heads, kv_heads, window, dim, [(0, 1), (15, 1), (16, 1), (40, 1), (100, 1), (3, 2)])
+
+
 def check_against_dense(backend, block_size, heads, kv_heads, window, dim, shapes):
     # Fresh random inputs each run: the seed is not fixed.
     cache = CacheManager(1, kv_heads, dim, block_size, 64, torch.float32, torch.device("cpu"))
