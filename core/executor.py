@@ -165,8 +165,9 @@ class StepExecutor:
                 prepared.input_ids[0].copy_(ids)
 
     def zero_new_blocks(self, prepared: PreparedStep) -> None:
-        """Zero the step's new blocks (on the forward thread, before the forward reads or writes them)."""
-        if prepared.new_blocks:
+        """Zero the step's new blocks (on the forward thread, before the forward reads or writes them), where
+        the attention backend reads whole blocks."""
+        if prepared.new_blocks and getattr(self.backend, "reads_unwritten_slots", True):
             self.cache.zero_blocks(prepared.new_blocks)
             prepared.new_blocks = None
 

@@ -13,7 +13,11 @@ from jitney.kernels.torch_paged import TorchPagedAttention, _TorchStep
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """fp32 attention reading the cache in place; the K/V writes as `TorchPagedAttention`."""
+    """fp32 attention reading the cache in place; the K/V writes as `TorchPagedAttention`. Its kernels read
+    only the positions of each request's context, so new blocks need no zeroing (which took ~3% of the forward
+    thread's time on mixed-64)."""
+
+    reads_unwritten_slots = False
 
     def __init__(self):
         self.kernel = native.load()

@@ -69,11 +69,15 @@ def check_against_dense(backend, block_size, heads, kv_heads, window, dim, shape
     cache = CacheManager(1, kv_heads, dim, block_size, 64, torch.float32, torch.device("cpu"))
     for store in cache.keys + cache.values:  # poison every slot no request writes
         store[: 64 * block_size] = float("nan")
+    attention = backend()
+    zeroed = getattr(attention, "reads_unwritten_slots", True)  # else the poison stays: such a backend never reads it
     full_k = [torch.randn(kv_heads, c + n, dim) for c, n in shapes]
     full_v = [torch.randn(kv_heads, c + n, dim) for c, n in shapes]
     for i, (c, n) in enumerate(shapes):
         assert cache.reserve(str(i), c + n)
-        cache.zero_new_blocks()  # as a step's forward does before anything writes them
+        blocks = cache.take_new_blocks()
+        if zeroed:
+            cache.zero_blocks(blocks)  # as a step's forward does before anything writes them
         if c:  # earlier steps wrote the cached part
             slots = torch.tensor([cache.block_table(str(i), 0)[p // block_size] * block_size + p % block_size for p in range(c)])
             cache.keys[0][slots] = full_k[i][:, :c].transpose(0, 1)
@@ -90,7 +94,7 @@ def check_against_dense(backend, block_size, heads, kv_heads, window, dim, shape
     q = torch.randn(1, heads, step.positions.numel(), dim)
     k = torch.cat([fk[:, c:] for fk, (c, _) in zip(full_k, shapes)], 1)[None]
     v = torch.cat([fv[:, c:] for fv, (c, _) in zip(full_v, shapes)], 1)[None]
-    out = backend().prepare(step)(0, q, k, v, dim ** -0.5, window)
+    out = attention.prepare(step)(0, q, k, v, dim ** -0.5, window)
     assert out.shape == (1, step.positions.numel(), heads, dim)
     row = 0
     for i, (c, n) in enumerate(shapes):
