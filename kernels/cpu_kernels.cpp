@@ -331,17 +331,15 @@ static inline void quad_scores(const float* q, int64_t dim, const float* const* 
 // the rows of keys `ahead` positions on are prefetched.
 template <int HEADS>
 static inline void group_scores(const float* q, int64_t dim, const float* const* k, int64_t n16, float scale, float* s,
-                                int64_t ld, int64_t ahead, const float* const* v, int64_t n) {
+                                int64_t ld, int64_t ahead) {
   const int64_t lines = dim / 16;
   for (int64_t i = 0; i < n16; i += 16) {
-    if (i + ahead < n16)
-      for (int64_t j = i + ahead; j < std::min(n16, i + ahead + 16); ++j)
-        for (int64_t l = 0; l < lines; ++l) prefetch_l2(k[j] + 16 * l);
-    if (v)
-      for (int64_t j = i; j < std::min(n, i + 16); ++j)
-        for (int64_t l = 0; l < lines; ++l) prefetch_l2(v[j] + 16 * l);
     __m512 part[4][HEADS];
-    for (int quad = 0; quad < 4; ++quad) quad_scores<HEADS>(q, dim, k + i + 4 * quad, part[quad]);
+    for (int quad = 0; quad < 4; ++quad) {
+      for (int64_t j = i + 4 * quad + ahead; j < std::min(n16, i + 4 * quad + ahead + 4); ++j)
+        for (int64_t l = 0; l < lines; ++l) prefetch_l2(k[j] + 16 * l);
+      quad_scores<HEADS>(q, dim, k + i + 4 * quad, part[quad]);
+    }
     const __m512 sc = _mm512_set1_ps(scale);
     for (int g = 0; g < HEADS; ++g)
       _mm512_storeu_ps(s + g * ld + i,
@@ -426,10 +424,10 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
       for (int64_t g = 0; g < group;) {
         const int64_t take = std::min<int64_t>(4, group - g);
         float* s = scores.data() + g * n16;
-        if (take == 4) group_scores<4>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD, g ? nullptr : vrows.data(), n);
-        else if (take == 3) group_scores<3>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD, g ? nullptr : vrows.data(), n);
-        else if (take == 2) group_scores<2>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD, g ? nullptr : vrows.data(), n);
-        else group_scores<1>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD, g ? nullptr : vrows.data(), n);
+        if (take == 4) group_scores<4>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD);
+        else if (take == 3) group_scores<3>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD);
+        else if (take == 2) group_scores<2>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD);
+        else group_scores<1>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD);
         g += take;
       }
       for (int64_t i = 0; i < std::min<int64_t>(n, AHEAD); ++i)  // the first value rows, while the weights compute
