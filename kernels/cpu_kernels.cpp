@@ -391,7 +391,9 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
                                const float* kp, const float* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
                                int64_t width, const int64_t* cp, float* op, double scale, int64_t window,
                                int64_t block_size, bool small) {
-  constexpr int64_t AHEAD = 16;  // keys (value rows) prefetched ahead: one block at `block_size` 16
+  // keys (value rows) prefetched ahead, two blocks at `block_size` 16: 64 rows at 300 positions, best of 20, three
+  // alternating processes, 16 / 32 / 64 ahead: 1175-1392 / 1099-1130 / 1135-1241 us a layer
+  constexpr int64_t AHEAD = 32;
   const int64_t group = heads / kv_heads, tasks = rows * kv_heads;
   const float sc = (float)scale;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(small ? 2 : at::get_num_threads(), tasks));
