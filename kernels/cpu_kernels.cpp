@@ -298,8 +298,9 @@ constexpr std::array<int32_t, 16> fold_index() {
   return idx;
 }
 
-// Into L2 only: prefetches into L1 kept the few buffers that L1 misses wait in full, and decode attention read
-// the cache at 15 GB/s where into L2 it reads 23-25 (SmolLM2's shapes, 64 rows at 300 positions, 30 layers' caches).
+// Into L2 only: prefetches into L1 kept the few buffers that L1 misses wait in full. On an AMD EPYC, decode
+// attention read the cache at 15 GB/s where into L2 it reads 23-25 (SmolLM2's shapes, 64 rows at 300 positions,
+// 30 layers' caches), and linears of 4-16 rows ran 5-12% faster.
 static inline void prefetch_l2(const float* p) { __builtin_prefetch(p, 0, 2); }
 
 template <int P>
@@ -396,10 +397,10 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
   constexpr int64_t AHEAD = 32;
   const int64_t group = heads / kv_heads, tasks = rows * kv_heads;
   const float sc = (float)scale;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(small ? 2 : at::get_num_threads(), tasks));
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
   std::atomic<int64_t> next{0};
   parallel(threads, 1, small, [&](int64_t, int64_t) {
-    std::vector<float> scores, acc(group * dim), zeros(dim, 0.f);
+    std::vector<float> scores, acc(group * dim), total(group), zeros(dim, 0.f);
     std::vector<const float*> krows, vrows;
     for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int64_t r = task / kv_heads, h = task % kv_heads;
@@ -434,7 +435,6 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
       }
       for (int64_t i = 0; i < std::min<int64_t>(n, AHEAD); ++i)  // the first value rows, while the weights compute
         for (int64_t l = 0; l < dim / 16; ++l) prefetch_l2(vrows[i] + 16 * l);
-      std::vector<float> total(group);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * n16;
         __m512 top = _mm512_set1_ps(-INFINITY);
@@ -675,8 +675,7 @@ typedef float v16 __attribute__((vector_size(64)));
 // Each output sums in the same order as in `panel_tile`, so both give the same values. On a two-core AVX-512
 // machine, SmolLM2's linears at 16-256 rows: `panel_tile` on 8-wide vectors 113-119 GFLOP/s (one shape, one run), this
 // at 6 / 8 / 12 rows a tile 159-223 / 181-230 / 219-295 (best of four alternating processes; torch's probe: 226-262).
-// `next` (the panels of the unit a thread takes next) is prefetched into L2 only: into L1 too, on an AMD EPYC,
-// linears of 4-16 rows streaming their weights from memory ran 5-12% slower (three alternating processes).
+// `next` (the panels of the unit a thread takes next) is prefetched into L2 only (`prefetch_l2`).
 template <int ROWS>
 static inline void panel_tile16(const float* xp, int64_t k, const float* panel, float* yp, int64_t ldy, int64_t cols2,
                                 const float* bias, const float* next) {
@@ -688,8 +687,8 @@ static inline void panel_tile16(const float* xp, int64_t k, const float* panel, 
     std::memcpy(&w, panel + c * PANEL, sizeof w);
     std::memcpy(&u, second + c * PANEL, sizeof u);
     if (next) {
-      __builtin_prefetch(next + c * PANEL, 0, 2);
-      __builtin_prefetch(next + (k + c) * PANEL, 0, 2);
+      prefetch_l2(next + c * PANEL);
+      prefetch_l2(next + (k + c) * PANEL);
     }
     for (int r = 0; r < ROWS; ++r) {
       const float s = xp[r * k + c];
