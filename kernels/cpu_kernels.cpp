@@ -912,8 +912,8 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10
 // its values into panels of 16 dims; then one task per (chunk, KV head, tile of 8 query rows) takes the
 // tile's rows times `group` query heads against 64 keys at a time, both products `panel_tile`s (with 512-bit
 // vectors and whole panels, `panel_tile16`s over two of them: a 256-token chunk of SmolLM2's on an AMD EPYC, three
-// alternating processes, 744-1044 -> 639-741 us), with an online softmax. Keys past a row's position (or before its window) weigh nothing; groups of 16 wholly
-// outside are never read.
+// alternating processes, 744-1044 -> 639-741 us), with an online softmax. Keys past a row's position (or before
+// its window) weigh nothing; groups of 16 wholly outside are never read.
 void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables, torch::Tensor ctx,
                    torch::Tensor qlens, torch::Tensor starts, torch::Tensor out, double scale, int64_t window,
                    int64_t block_size) {
