@@ -191,6 +191,17 @@ static inline void weighted_values_any(int64_t nv, const float* p, const float* 
   }
 }
 
+// s[i] = exp(s[i] - m) for n scores (m: their largest, so that none overflows); returns their sum.
+static inline float exp_sum(float* s, int64_t n, float m) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = expf(s[i] - m);
+    sum += s[i];
+  }
+  return sum;
+}
+
 // Attention of decode rows over the paged, head-major cache ([kv_heads, slots, dim] for keys and values).
 // One task per (row, KV head): its `group` query heads attend over positions [first, ctx) of the row's
 // context, read through its block table. Row r's queries start at q + r * q_stride, heads one after another;
@@ -254,14 +265,7 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
       std::vector<float> total(group, 0.f);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * n;
-        const float m = *std::max_element(sg, sg + n);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
-          sg[i] = expf(sg[i] - m);
-          sum += sg[i];
-        }
-        total[g] = sum;
+        total[g] = exp_sum(sg, n, *std::max_element(sg, sg + n));
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t g = 0; g < group; ++g) {
@@ -440,14 +444,7 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
         __m512 top = _mm512_set1_ps(-INFINITY);
         for (int64_t i = 0; i < n; i += 16)
           top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, n - i >= 16 ? 0xffff : (1u << (n - i)) - 1, sg + i));
-        const float m = _mm512_reduce_max_ps(top);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
-          sg[i] = expf(sg[i] - m);
-          sum += sg[i];
-        }
-        total[g] = sum;
+        total[g] = exp_sum(sg, n, _mm512_reduce_max_ps(top));
       }
       for (int64_t g = 0; g < group;) {  // three heads x 64 dims of sums at a time (12 vectors)
         const int64_t take = std::min<int64_t>(3, group - g);
