@@ -33,16 +33,19 @@ def blocks_view(store: torch.Tensor, block_size: int) -> torch.Tensor:
     return store.transpose(0, 1).view(kvh, -1, block_size * dim)
 
 
-def _storage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _storage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, commit: bool = False) -> torch.Tensor:
     """`torch.empty`, except that CPU storage (on Linux) is advised for transparent huge pages: decode
     attention reads a request's blocks, 4 KiB a head at `block_size` 16 for SmolLM2, from anywhere in the
-    cache, and on 4 KiB pages each block costs a TLB miss. Pages are still committed only when first written."""
+    cache, and on 4 KiB pages each block costs a TLB miss. Pages are committed when first written, or here
+    with `commit` (one write a page, on this thread: no OpenMP team left on the caller's thread)."""
     if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype, device=device)
     huge = 2 << 20
     nbytes = math.prod(shape) * dtype.itemsize
     buffer = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # the tensor keeps it
     buffer.madvise(mmap.MADV_HUGEPAGE)
+    if commit:
+        np.frombuffer(buffer, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
     raw = torch.frombuffer(buffer, dtype=torch.uint8)
     start = -raw.data_ptr() % huge  # from a huge page's boundary
     return raw[start : start + nbytes].view(dtype).view(shape)
@@ -108,7 +111,8 @@ class CacheManager:
 
     Storage is one key and one value tensor per layer, shaped ``[(num_blocks + 2) * block_size, kv_heads,
     head_dim]``: slot ``b * block_size + i`` holds token ``i`` of block ``b``. The last two blocks are the
-    pool's reserved padding blocks, kept zeroed so that padded reads see finite values.
+    pool's reserved padding blocks, kept zeroed so that padded reads see finite values. `commit_pages`: on
+    CPU, every page of the storage is written once here (see `EngineConfig.commit_cache`).
 
     With `prefix_caching`, each completed block is content-hashed, the hash chained over the whole prefix
     (so equal blocks at different prefixes never collide); a request admitted later whose tokens start with
@@ -118,7 +122,7 @@ class CacheManager:
     def __init__(
         self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
         dtype: torch.dtype, device: torch.device, groups: list[LayerGroup] | None = None,
-        prefix_caching: bool = False, eviction: EvictionPolicy | None = None,
+        prefix_caching: bool = False, eviction: EvictionPolicy | None = None, commit_pages: bool = False,
     ):
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -131,14 +135,14 @@ class CacheManager:
         self.sliding = any(group.window is not None for group in self.groups)
         self.pools = [BlockPool(num_blocks, eviction) for _ in self.groups]
         slots = (num_blocks + 2) * block_size
-        # Pages are committed only as blocks are first written. Reads never go past a
+        # Pages are committed as blocks are first written, or all now with `commit_pages`. Reads never go past a
         # request's written tokens except into the zeroed padding blocks.
         # Indexed [slot, kv head, dim] but stored head-major ([kv head, slot, dim] underneath): a gather of
         # many slots for one head then copies into a layout batched matmuls take as they are.
         # One tensor per layer and kind: a single tensor for all of them made batch-1 decode steps ~40% slower
         # (measured, cause not found), though it let new blocks be zeroed in one call.
         self.keys, self.values = (
-            [_storage((num_kv_heads, slots, head_dim), dtype, device).transpose(0, 1) for _ in range(num_layers)]
+            [_storage((num_kv_heads, slots, head_dim), dtype, device, commit_pages).transpose(0, 1) for _ in range(num_layers)]
             for _ in range(2)
         )
         pad = slice(num_blocks * block_size, slots)

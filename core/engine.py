@@ -96,7 +96,8 @@ class Engine:
             num_blocks = solve_num_blocks(per_block, overhead, cfg.max_memory_percent, device, most_useful)
         eviction = registry(self.plugins, "eviction policy").create(cfg.eviction, cfg)
         return CacheManager(layers, kv_heads, head_dim, cfg.block_size, num_blocks, dtype, device, groups=_layer_groups(mc),
-                            prefix_caching=cfg.allow_block_sharing, eviction=eviction)
+                            prefix_caching=cfg.allow_block_sharing, eviction=eviction,
+                            commit_pages=cfg.commit_cache if cfg.commit_cache is not None else cfg.num_blocks is not None)
 
     def _plan_static_steps(self, backend, device: torch.device) -> tuple[StaticDecoder | None, bool]:
         """CUDA graphs (auto: on where the device is CUDA and the backend has static steps), padded decode

@@ -27,6 +27,41 @@ def test_cpu_cache_tensors_start_on_huge_page_boundaries():
     assert cache.keys[1][5].sum() == 24 and cache.keys[0][5].sum() == 0 and cache.values[1][5].sum() == 0
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="transparent huge pages are a Linux feature")
+@pytest.mark.parametrize("commit", [True, False])
+def test_a_committed_cache_is_resident_from_the_start(commit):
+    cache_bytes = 2 * 16384 * 16 * 64 * 4  # keys and values, 16,384 blocks of 16 slots of 64 floats
+    before = _resident_bytes()
+    cache = CacheManager(1, 1, 64, 16, 16384, torch.float32, torch.device("cpu"), commit_pages=commit)
+    grew = _resident_bytes() - before
+    if commit:
+        assert grew >= 0.95 * cache_bytes
+    else:  # only the zeroed padding blocks' pages
+        assert grew < 0.2 * cache_bytes
+    assert cache.keys[0].abs().sum() == 0 and cache.values[0].abs().sum() == 0
+
+
+def test_an_engine_commits_the_cache_it_was_given_a_size_for():
+    from support import tiny_llama
+
+    from jitney import Engine, EngineConfig
+
+    model = tiny_llama()
+    cache_bytes = 2 * 2 * 2 * 8192 * 16 * 16 * 4  # 2 layers, keys and values, 2 KV heads, 8,192 blocks of 16 x 16
+    grew = {}
+    for commit in (None, False):
+        before = _resident_bytes()
+        engine = Engine(model, config=EngineConfig(num_blocks=8192, commit_cache=commit))
+        grew[commit] = _resident_bytes() - before
+        del engine
+    assert grew[None] >= 0.9 * cache_bytes and grew[False] < 0.3 * cache_bytes
+
+
 def test_pool_never_hands_out_the_padding_blocks():
     pool = BlockPool(5)
     ids = pool.allocate(5)
