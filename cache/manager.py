@@ -135,8 +135,8 @@ class CacheManager:
         self.sliding = any(group.window is not None for group in self.groups)
         self.pools = [BlockPool(num_blocks, eviction) for _ in self.groups]
         slots = (num_blocks + 2) * block_size
-        # Pages are committed as blocks are first written, or all now with `commit_pages`. Reads never go past a
-        # request's written tokens except into the zeroed padding blocks.
+        # Pages are committed as blocks are first written, or all now with `commit_pages`. Reads never go
+        # past a request's written tokens except into the zeroed padding blocks.
         # Indexed [slot, kv head, dim] but stored head-major ([kv head, slot, dim] underneath): a gather of
         # many slots for one head then copies into a layout batched matmuls take as they are.
         # One tensor per layer and kind: a single tensor for all of them made batch-1 decode steps ~40% slower

@@ -23,7 +23,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Blocks in the KV cache; `None` solves for it from free memory under `max_memory_percent`."""
     commit_cache: bool | None = None
     """On CPU, write every page of the KV cache once when the engine is built, so that no step waits on the
-    first write into a fresh page (on huge pages the kernel may compact memory to find one: ~1 s of a 17 s
+    first write into a fresh page (on huge pages the kernel may compact memory to find one: ~1.2 s of a 15.4 s
     mixed-64 run on the 2-core machine), and a cache the machine cannot hold fails at start-up rather than
     mid-serving. Costs start-up time (0.4-2.7 GB of cache a second there). `None`: on when `num_blocks` is
     given; a cache sized from free memory is committed as its blocks are first written (committing most of
