@@ -49,3 +49,14 @@ def solve_num_blocks(
             "lower max_batch_tokens or pass num_blocks"
         )
     return n
+
+
+def check_committable(per_block: int, num_blocks: int, device: torch.device) -> None:
+    """Raise `ValueError` where a cache of `num_blocks` (and the two padding blocks) is larger than the memory
+    available now: committing its pages would have the process killed rather than raise."""
+    need, free = per_block * (num_blocks + 2), available_memory(device)
+    if need > free:
+        raise ValueError(
+            f"EngineConfig.num_blocks={num_blocks}: the cache needs {need / 2**30:.1f} GiB and {free / 2**30:.1f} GiB "
+            "is available; lower num_blocks, or pass commit_cache=False to commit its pages only as they are used"
+        )

@@ -24,10 +24,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     commit_cache: bool | None = None
     """On CPU, write every page of the KV cache once when the engine is built, so that no step waits on the
     first write into a fresh page (on huge pages the kernel may compact memory to find one: ~1.2 s of a 15.4 s
-    mixed-64 run on the 2-core machine), and a cache the machine cannot hold fails at start-up rather than
-    mid-serving. Costs start-up time (0.4-2.7 GB of cache a second there). `None`: on when `num_blocks` is
-    given; a cache sized from free memory is committed as its blocks are first written (committing most of
-    the RAM up front could take tens of seconds)."""
+    mixed-64 run on the 2-core machine), and a cache larger than the memory available is refused at start-up
+    (`ValueError`) rather than killed mid-serving. Costs start-up time (0.4-2.7 GB of cache a second there).
+    `None`: on when `num_blocks` is given; a cache sized from free memory is committed as its blocks are
+    first written (committing most of the RAM up front could take tens of seconds)."""
     max_batch_tokens: PositiveInt = 256
     """Query tokens in one forward pass (prompts longer than what is left are chunked)."""
     max_batch_cache_blocks: PositiveInt | None = None

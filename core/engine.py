@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
+from jitney.cache import sizing
 from jitney.cache.manager import CacheManager, LayerGroup
 from jitney.cache.sizing import bytes_per_block, solve_num_blocks, step_overhead_bytes
 from jitney.core import events as ev
@@ -84,20 +85,22 @@ class Engine:
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
         layers = mc.num_hidden_layers
         num_blocks = cfg.num_blocks
+        per_block = bytes_per_block(layers, cfg.block_size, kv_heads, head_dim, dtype)
         if num_blocks is None:
             overhead = step_overhead_bytes(
                 cfg.max_batch_tokens, cfg.max_requests_per_batch, mc.hidden_size,
                 getattr(mc, "intermediate_size", 4 * mc.hidden_size), mc.vocab_size, heads, dtype,
             )
-            per_block = bytes_per_block(layers, cfg.block_size, kv_heads, head_dim, dtype)
             most_useful = None
             if self.max_context != math.inf:
                 most_useful = cfg.max_requests_per_batch * -(-int(self.max_context) // cfg.block_size)
             num_blocks = solve_num_blocks(per_block, overhead, cfg.max_memory_percent, device, most_useful)
+        commit = cfg.commit_cache if cfg.commit_cache is not None else cfg.num_blocks is not None
+        if commit and device.type == "cpu":
+            sizing.check_committable(per_block, num_blocks, device)
         eviction = registry(self.plugins, "eviction policy").create(cfg.eviction, cfg)
         return CacheManager(layers, kv_heads, head_dim, cfg.block_size, num_blocks, dtype, device, groups=_layer_groups(mc),
-                            prefix_caching=cfg.allow_block_sharing, eviction=eviction,
-                            commit_pages=cfg.commit_cache if cfg.commit_cache is not None else cfg.num_blocks is not None)
+                            prefix_caching=cfg.allow_block_sharing, eviction=eviction, commit_pages=commit)
 
     def _plan_static_steps(self, backend, device: torch.device) -> tuple[StaticDecoder | None, bool]:
         """CUDA graphs (auto: on where the device is CUDA and the backend has static steps), padded decode

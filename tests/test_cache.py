@@ -62,6 +62,20 @@ def test_an_engine_commits_the_cache_it_was_given_a_size_for():
     assert grew[None] >= 0.9 * cache_bytes and grew[False] < 0.3 * cache_bytes
 
 
+def test_a_cache_to_commit_that_memory_cannot_hold_is_refused_at_start(monkeypatch):
+    from support import tiny_llama
+
+    from jitney import Engine, EngineConfig
+    from jitney.cache import sizing
+
+    monkeypatch.setattr(sizing, "available_memory", lambda device: 8 * 2**20)  # 8 MiB "available"
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="num_blocks=8192"):
+        Engine(model, config=EngineConfig(num_blocks=8192))  # 32 MiB of cache
+    Engine(model, config=EngineConfig(num_blocks=8192, commit_cache=False))  # committed lazily: allowed
+    Engine(model, config=EngineConfig(num_blocks=512))  # 2 MiB: fits
+
+
 def test_pool_never_hands_out_the_padding_blocks():
     pool = BlockPool(5)
     ids = pool.allocate(5)
