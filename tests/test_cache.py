@@ -46,6 +46,7 @@ def test_a_committed_cache_is_resident_from_the_start(commit):
     assert cache.keys[0].abs().sum() == 0 and cache.values[0].abs().sum() == 0
 
 
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="the cache is committed through Linux's madvise path")
 def test_an_engine_commits_the_cache_it_was_given_a_size_for():
     from support import tiny_llama
 
