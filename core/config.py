@@ -22,7 +22,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     num_blocks: PositiveInt | None = None
     """Blocks in the KV cache; `None` solves for it from free memory under `max_memory_percent`."""
     commit_cache: bool | None = None
-    """On CPU, write every page of the KV cache once when the engine is built, so that no step waits on the
+    """On a Linux CPU, write every page of the KV cache once when the engine is built, so that no step waits on the
     first write into a fresh page (on huge pages the kernel may compact memory to find one: ~1.2 s of a 15.4 s
     mixed-64 run on the 2-core machine), and a cache larger than the memory available is refused at start-up
     (`ValueError`) rather than killed mid-serving. Costs start-up time (0.4-2.7 GB of cache a second there).
