@@ -33,12 +33,18 @@ def blocks_view(store: torch.Tensor, block_size: int) -> torch.Tensor:
     return store.transpose(0, 1).view(kvh, -1, block_size * dim)
 
 
+def on_huge_pages(device: torch.device) -> bool:
+    """Whether the cache's storage on `device` is mapped here for huge pages (a Linux CPU), the path that can
+    commit its pages up front."""
+    return device.type == "cpu" and hasattr(mmap, "MADV_HUGEPAGE")
+
+
 def _storage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, commit: bool = False) -> torch.Tensor:
     """`torch.empty`, except that CPU storage (on Linux) is advised for transparent huge pages: decode
     attention reads a request's blocks, 4 KiB a head at `block_size` 16 for SmolLM2, from anywhere in the
     cache, and on 4 KiB pages each block costs a TLB miss. Pages are committed when first written, or here
     with `commit` (one write a page, on this thread: no OpenMP team left on the caller's thread)."""
-    if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not on_huge_pages(device):
         return torch.empty(shape, dtype=dtype, device=device)
     huge = 2 << 20
     nbytes = math.prod(shape) * dtype.itemsize

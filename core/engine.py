@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from jitney.cache import sizing
-from jitney.cache.manager import CacheManager, LayerGroup
-from jitney.cache.sizing import bytes_per_block, solve_num_blocks, step_overhead_bytes
+from jitney.cache.manager import CacheManager, LayerGroup, on_huge_pages
+from jitney.cache.sizing import bytes_per_block, check_committable, solve_num_blocks, step_overhead_bytes
 from jitney.core import events as ev
 from jitney.core.config import EngineConfig
 from jitney.core.executor import ForwardThread, PreparedStep, StepExecutor
@@ -96,8 +95,9 @@ class Engine:
                 most_useful = cfg.max_requests_per_batch * -(-int(self.max_context) // cfg.block_size)
             num_blocks = solve_num_blocks(per_block, overhead, cfg.max_memory_percent, device, most_useful)
         commit = cfg.commit_cache if cfg.commit_cache is not None else cfg.num_blocks is not None
-        if commit and device.type == "cpu":
-            sizing.check_committable(per_block, num_blocks, device)
+        commit = commit and on_huge_pages(device)  # where the storage can commit its pages at all
+        if commit:
+            check_committable(per_block, num_blocks, device)
         eviction = registry(self.plugins, "eviction policy").create(cfg.eviction, cfg)
         return CacheManager(layers, kv_heads, head_dim, cfg.block_size, num_blocks, dtype, device, groups=_layer_groups(mc),
                             prefix_caching=cfg.allow_block_sharing, eviction=eviction, commit_pages=commit)

@@ -63,6 +63,7 @@ def test_an_engine_commits_the_cache_it_was_given_a_size_for():
     assert grew[None] >= 0.9 * cache_bytes and grew[False] < 0.3 * cache_bytes
 
 
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="the cache is committed through Linux's madvise path")
 def test_a_cache_to_commit_that_memory_cannot_hold_is_refused_at_start(monkeypatch):
     from support import tiny_llama
 
