@@ -53,7 +53,7 @@ class StepExecutor:
         self.backend = backend
         # Padded decode steps, set by the engine once it has planned them (their graphs use this compute stream).
         self.static: StaticDecoder | None = None
-        # The whole model in one call for decode-only steps (`cpu_layers.FusedDecoder`), set by the engine while
+        # The whole model in one call for every step (`cpu_layers.FusedDecoder`), set by the engine while
         # the model's layers are fused and the attention backend is the one it computes.
         self.decoder = None
         self.device = next(model.parameters()).device
@@ -202,8 +202,11 @@ class StepExecutor:
         if p.static is not None:
             started()
             logits = self.static.forward(p.static)
-        elif self.decoder is not None and p.step.num_decodes == len(p.step.query_lens):
-            logits = self.decoder(p.input_ids, p.positions, p.step, started)
+        elif self.decoder is not None:
+            if p.step.num_decodes == len(p.step.query_lens):
+                logits = self.decoder(p.input_ids, p.positions, p.step, started)
+            else:
+                logits = self.decoder.step(p.input_ids, p.positions, p.step, p.keep.tolist(), started)
             argmax = self.decoder.argmax
         else:
             started()

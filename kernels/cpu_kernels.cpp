@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <thread>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -904,37 +905,26 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10
 
 // Attention of prefill chunks over the paged, head-major cache ([kv_heads, slots, dim]), causal (and within
 // `window`, 0: none), each chunk's own keys and values already written. Chunk j is query rows [starts[j],
-// starts[j] + qlens[j]) of q ([rows, heads, dim]), positions ctx[j] - qlens[j] .. ctx[j] - 1, its block table
-// row j of `tables`. First each chunk's keys are copied into panels (16 positions at a time, transposed) and
+// starts[j] + qlens[j]) of q (`rows_in` rows `q_stride` floats apart, each starting with its heads x dim
+// queries), positions ctx[j] - qlens[j] .. ctx[j] - 1, its block table row j of `tables`; out [rows, heads, dim]. First each chunk's keys are copied into panels (16 positions at a time, transposed) and
 // its values into panels of 16 dims; then one task per (chunk, KV head, tile of 8 query rows) takes the
 // tile's rows times `group` query heads against 64 keys at a time, both products `panel_tile`s (with 512-bit
 // vectors and whole panels, `panel_tile16`s over two of them: a 256-token chunk of SmolLM2's on an AMD EPYC, three
 // alternating processes, 744-1044 -> 639-741 us), with an online softmax. Keys past a row's position (or before
 // its window) weigh nothing; groups of 16 wholly outside are never read.
-void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables, torch::Tensor ctx,
-                   torch::Tensor qlens, torch::Tensor starts, torch::Tensor out, double scale, int64_t window,
-                   int64_t block_size) {
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && tables.is_contiguous() && out.is_contiguous() &&
-              q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
-              "paged_prefill: contiguous fp32 queries and head-major cache");
-  TORCH_CHECK(tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong && qlens.scalar_type() == torch::kLong &&
-              starts.scalar_type() == torch::kLong && ctx.is_contiguous() && qlens.is_contiguous() && starts.is_contiguous(),
-              "paged_prefill: int64 tables, lengths and starts");
+static void prefill_attention(const float* qp, int64_t q_stride, int64_t rows_in, int64_t heads, int64_t dim,
+                              const float* kp, const float* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
+                              int64_t width, const int64_t* cp, const int64_t* lp, const int64_t* sp, int64_t chunks,
+                              float* op, double scale, int64_t window, int64_t block_size) {
   constexpr int64_t ROWS = 8, KEYS = PANEL, SPAN = 4 * KEYS;
-  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k.size(0), slots = k.size(1), width = tables.size(1);
-  TORCH_CHECK(heads % kv_heads == 0 && out.sizes() == q.sizes(), "paged_prefill: shapes");
-  const int64_t group = heads / kv_heads, chunks = tables.size(0), dim_panels = (dim + PANEL - 1) / PANEL;
+  const int64_t group = heads / kv_heads, dim_panels = (dim + PANEL - 1) / PANEL;
   const int64_t panel_floats = dim_panels * PANEL * KEYS;  // one group of 16 keys (or of their values)
   // per chunk and KV head: its key groups' panels, [groups][dim][16], then its values, [dim / 16][keys][16]
-  const int64_t *tp = tables.data_ptr<int64_t>(), *cp = ctx.data_ptr<int64_t>(), *lp = qlens.data_ptr<int64_t>(),
-                *sp = starts.data_ptr<int64_t>();
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   // each chunk's groups of 16 key positions [first_group, ctx / 16], and where its panels start
   std::vector<int64_t> first_group(chunks), groups(chunks), base(chunks + 1, 0);
   std::vector<std::array<int64_t, 3>> copies, tasks;  // (chunk, KV head, group) and (chunk, KV head, first row)
   for (int64_t j = 0; j < chunks; ++j) {
-    TORCH_CHECK(lp[j] <= cp[j] && -(-cp[j] / block_size) <= width && sp[j] + lp[j] <= q.size(0),
+    TORCH_CHECK(lp[j] <= cp[j] && -(-cp[j] / block_size) <= width && sp[j] + lp[j] <= rows_in,
                 "paged_prefill: chunk beyond its table or the queries");
     const int64_t lowest = window > 0 ? std::max<int64_t>(0, cp[j] - lp[j] - window + 1) : 0;
     first_group[j] = lowest / KEYS;
@@ -945,7 +935,7 @@ void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
       for (int64_t i = 0; i < lp[j]; i += ROWS) tasks.push_back({j, h, i});
     }
   }
-  auto panels = torch::empty({base[chunks]}, q.options());  // torch's allocation: aligned for panel_tile
+  auto panels = torch::empty({base[chunks]}, torch::kFloat);  // torch's allocation: aligned for panel_tile
   float* pp = panels.data_ptr<float>();
   auto keys_of = [&](int64_t j, int64_t h) { return pp + base[j] + h * groups[j] * 2 * panel_floats; };
   auto values_of = [&](int64_t j, int64_t h) { return keys_of(j, h) + groups[j] * panel_floats; };
@@ -982,7 +972,7 @@ void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t g = 0; g < group; ++g) {
           const int64_t i = r * group + g;
-          const float* src = qp + ((sp[j] + i0 + r) * heads + h * group + g) * dim;
+          const float* src = qp + (sp[j] + i0 + r) * q_stride + (h * group + g) * dim;
           for (int64_t d = 0; d < dim; ++d) qs[i * dim + d] = src[d] * fscale;
           hi[i] = first_pos + r;
           lo[i] = window > 0 ? std::max<int64_t>(0, hi[i] - window + 1) : 0;
@@ -1064,6 +1054,22 @@ void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
         }
     }
   });
+}
+
+void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables, torch::Tensor ctx,
+                   torch::Tensor qlens, torch::Tensor starts, torch::Tensor out, double scale, int64_t window,
+                   int64_t block_size) {
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && tables.is_contiguous() && out.is_contiguous() &&
+              q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
+              "paged_prefill: contiguous fp32 queries and head-major cache");
+  TORCH_CHECK(tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong && qlens.scalar_type() == torch::kLong &&
+              starts.scalar_type() == torch::kLong && ctx.is_contiguous() && qlens.is_contiguous() && starts.is_contiguous(),
+              "paged_prefill: int64 tables, lengths and starts");
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k.size(0);
+  TORCH_CHECK(heads % kv_heads == 0 && out.sizes() == q.sizes(), "paged_prefill: shapes");
+  prefill_attention(q.data_ptr<float>(), heads * dim, q.size(0), heads, dim, k.data_ptr<float>(), v.data_ptr<float>(), kv_heads,
+                    k.size(1), tables.data_ptr<int64_t>(), tables.size(1), ctx.data_ptr<int64_t>(), qlens.data_ptr<int64_t>(),
+                    starts.data_ptr<int64_t>(), tables.size(0), out.data_ptr<float>(), scale, window, block_size);
 }
 
 // Rows per parallel task for elementwise kernels: enough work per task that small steps stay on one thread.
@@ -1262,72 +1268,26 @@ class FusedDecoder {
     TORCH_CHECK(head_.k == c, "FusedDecoder: LM head shape");
   }
 
-  // x [M, C] the token embeddings, cos/sin [M, D] their rotary angles; keys/values per layer the cache's
-  // [slots, kv_heads, D] views of head-major storage; tables per layer group [M, W] int64; ctx [M] each
+  // A decode step: x [M, C] the token embeddings, cos/sin [M, D] their rotary angles; keys/values per layer the
+  // cache's [slots, kv_heads, D] views of head-major storage; tables per layer group [M, W] int64; ctx [M] each
   // row's context length including its new token (written at position ctx - 1). Returns the logits [M, vocab].
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
                         std::vector<torch::Tensor> values, std::vector<torch::Tensor> tables,
                         std::vector<int64_t> group_of_layer, torch::Tensor ctx, int64_t block_size) {
-    const int64_t m = x.size(0), c = x.size(1), d = dim_, h = heads_, kvh = kv_heads_;
-    const bool small = m <= 2;  // on the pool (see `parallel`)
-    const size_t num_layers = layers_.size();
-    TORCH_CHECK(x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && ctx.is_contiguous() &&
-                x.scalar_type() == torch::kFloat && ctx.scalar_type() == torch::kLong && cos.numel() == m * d &&
-                sin.numel() == m * d && c == norm_t_.numel(), "FusedDecoder.forward: contiguous fp32 rows and angles, int64 lengths");
-    TORCH_CHECK(keys.size() == num_layers && values.size() == num_layers && group_of_layer.size() == num_layers,
-                "FusedDecoder.forward: one cache tensor per layer");
-    for (const auto& t : tables)
-      TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kLong && t.size(0) == m, "FusedDecoder.forward: int64 tables");
-    const int64_t* cp = ctx.data_ptr<int64_t>();
-    // each row's write slot, per group
-    std::vector<std::vector<int64_t>> slots(tables.size(), std::vector<int64_t>(m));
-    for (size_t g = 0; g < tables.size(); ++g) {
-      const int64_t* tp = tables[g].data_ptr<int64_t>();
-      const int64_t width = tables[g].size(1);
-      for (int64_t r = 0; r < m; ++r) {
-        const int64_t pos = cp[r] - 1;
-        TORCH_CHECK(pos >= 0 && pos / block_size < width, "FusedDecoder.forward: context beyond the block table");
-        slots[g][r] = tp[r * width + pos / block_size] * block_size + pos % block_size;
-      }
-    }
-    const int64_t qkv_width = (h + 2 * kvh) * d, inter = layers_.empty() ? 0 : layers_[0].down.k;
-    std::vector<float> xs(x.data_ptr<float>(), x.data_ptr<float>() + m * c), hn(m * c), y(m * qkv_width),
-        attn(m * h * d), o(m * c), sum(m * c), gu(m * 2 * inter), act(m * inter), down(m * c);
-    float* xp = xs.data();
-    for (size_t i = 0; i < num_layers; ++i) {
-      const Layer& l = layers_[i];
-      torch::Tensor& kc = keys[i];
-      torch::Tensor& vc = values[i];
-      TORCH_CHECK(kc.scalar_type() == torch::kFloat && kc.dim() == 3 && kc.size(1) == kvh && kc.size(2) == d &&
-                  kc.stride(2) == 1 && kc.stride(0) == d && kc.stride(1) == kc.size(0) * d && vc.strides() == kc.strides() &&
-                  vc.sizes() == kc.sizes(), "FusedDecoder.forward: head-major fp32 cache");
-      const int64_t slots_per_head = kc.size(0), g = group_of_layer[i];
-      float* kp = kc.data_ptr<float>();
-      float* vp = vc.data_ptr<float>();
-      rms_rows(xp, nullptr, l.norm_in, eps_[2 * i], m, c, hn.data(), nullptr, small);
-      panel_rows(hn.data(), m, l.qkv, y.data(), small);
-      rotary_rows(y.data(), m, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), d, h + kvh, small);
-      for (int64_t r = 0; r < m; ++r) {  // this step's keys and values into the cache
-        const float* kr = y.data() + r * qkv_width + h * d;
-        const float* vr = kr + kvh * d;
-        for (int64_t j = 0; j < kvh; ++j) {
-          std::copy(kr + j * d, kr + (j + 1) * d, kp + (j * slots_per_head + slots[g][r]) * d);
-          std::copy(vr + j * d, vr + (j + 1) * d, vp + (j * slots_per_head + slots[g][r]) * d);
-        }
-      }
-      decode_attention(y.data(), qkv_width, m, h, d, kp, vp, kvh, slots_per_head, tables[g].data_ptr<int64_t>(),
-                       tables[g].size(1), cp, attn.data(), scaling_, windows_[i], block_size, small);
-      panel_rows(attn.data(), m, l.o, o.data(), small);
-      rms_rows(o.data(), xp, l.norm_post, eps_[2 * i + 1], m, c, hn.data(), sum.data(), small);
-      panel_rows(hn.data(), m, l.gate_up, gu.data(), small);
-      silu_rows(gu.data(), m, inter, act.data(), small);
-      panel_rows(act.data(), m, l.down, down.data(), small);
-      for (int64_t j = 0; j < m * c; ++j) xp[j] = sum[j] + down[j];
-    }
-    rms_rows(xp, nullptr, norm_t_.data_ptr<float>(), norm_eps_, m, c, hn.data(), nullptr, small);
-    auto logits = torch::empty({m, head_.n}, x.options());
-    panel_rows(hn.data(), m, head_, logits.data_ptr<float>(), small);
-    return logits;
+    const int64_t m = x.size(0);
+    std::vector<int64_t> rows(m);
+    std::iota(rows.begin(), rows.end(), 0);
+    return run(x, cos, sin, keys, values, tables, group_of_layer, ctx, std::vector<int64_t>(m, 1), m, rows, block_size);
+  }
+
+  // Any step: request j runs qlens[j] rows of x (in order), its last at position ctx[j] - 1; the first
+  // `decodes` requests are decodes (one row each, attended as in `forward`), the others prefill chunks
+  // (`paged_prefill`); tables [R, W] per group. Returns the logits of rows `keep` only, [len(keep), vocab].
+  torch::Tensor step(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
+                     std::vector<torch::Tensor> values, std::vector<torch::Tensor> tables, std::vector<int64_t> group_of_layer,
+                     torch::Tensor ctx, std::vector<int64_t> qlens, int64_t decodes, std::vector<int64_t> keep,
+                     int64_t block_size) {
+    return run(x, cos, sin, keys, values, tables, group_of_layer, ctx, qlens, decodes, keep, block_size);
   }
 
   // k greedy tokens after each row's token `ids` ([M] int64), one `forward` each with no Python between them
@@ -1350,6 +1310,100 @@ class FusedDecoder {
   }
 
  private:
+  torch::Tensor run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, std::vector<torch::Tensor>& keys,
+                    std::vector<torch::Tensor>& values, const std::vector<torch::Tensor>& tables,
+                    const std::vector<int64_t>& group_of_layer, const torch::Tensor& ctx, const std::vector<int64_t>& qlens,
+                    int64_t decodes, const std::vector<int64_t>& keep, int64_t block_size) {
+    const int64_t m = x.size(0), c = x.size(1), d = dim_, h = heads_, kvh = kv_heads_, requests = ctx.numel();
+    const bool small = m <= 2;  // on the pool (see `parallel`)
+    const size_t num_layers = layers_.size();
+    TORCH_CHECK(x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && ctx.is_contiguous() &&
+                x.scalar_type() == torch::kFloat && ctx.scalar_type() == torch::kLong && cos.numel() == m * d &&
+                sin.numel() == m * d && c == norm_t_.numel(), "FusedDecoder: contiguous fp32 rows and angles, int64 lengths");
+    TORCH_CHECK(keys.size() == num_layers && values.size() == num_layers && group_of_layer.size() == num_layers,
+                "FusedDecoder: one cache tensor per layer");
+    TORCH_CHECK((int64_t)qlens.size() == requests && decodes >= 0 && decodes <= requests, "FusedDecoder: one query length per request");
+    for (const auto& t : tables)
+      TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kLong && t.size(0) == requests, "FusedDecoder: int64 tables");
+    const int64_t* cp = ctx.data_ptr<int64_t>();
+    std::vector<int64_t> starts(requests + 1, 0);  // each request's first row
+    for (int64_t j = 0; j < requests; ++j) {
+      TORCH_CHECK(qlens[j] >= 1 && qlens[j] <= cp[j] && (j >= decodes || qlens[j] == 1), "FusedDecoder: query lengths");
+      starts[j + 1] = starts[j] + qlens[j];
+    }
+    TORCH_CHECK(starts[requests] == m, "FusedDecoder: the query lengths sum to the rows");
+    for (int64_t r : keep) TORCH_CHECK(r >= 0 && r < m, "FusedDecoder: rows to keep");
+    // each row's write slot, per group
+    std::vector<std::vector<int64_t>> slots(tables.size(), std::vector<int64_t>(m));
+    for (size_t g = 0; g < tables.size(); ++g) {
+      const int64_t* tp = tables[g].data_ptr<int64_t>();
+      const int64_t width = tables[g].size(1);
+      for (int64_t j = 0; j < requests; ++j)
+        for (int64_t i = 0; i < qlens[j]; ++i) {
+          const int64_t pos = cp[j] - qlens[j] + i;
+          TORCH_CHECK(pos / block_size < width, "FusedDecoder: context beyond the block table");
+          slots[g][starts[j] + i] = tp[j * width + pos / block_size] * block_size + pos % block_size;
+        }
+    }
+    // prefill chunks' rows counted from the first of them
+    std::vector<int64_t> chunk_starts(starts.begin() + decodes, starts.end() - 1);
+    for (int64_t& s : chunk_starts) s -= starts[decodes];
+    const int64_t qkv_width = (h + 2 * kvh) * d, inter = layers_.empty() ? 0 : layers_[0].down.k, nd = starts[decodes];
+    Buffer xs(m * c), hn(m * c), y(m * qkv_width), attn(m * h * d), o(m * c), sum(m * c), gu(m * 2 * inter), act(m * inter),
+        down(m * c);
+    float* xp = xs.get();
+    std::copy(x.data_ptr<float>(), x.data_ptr<float>() + m * c, xp);
+    for (size_t i = 0; i < num_layers; ++i) {
+      const Layer& l = layers_[i];
+      torch::Tensor& kc = keys[i];
+      torch::Tensor& vc = values[i];
+      TORCH_CHECK(kc.scalar_type() == torch::kFloat && kc.dim() == 3 && kc.size(1) == kvh && kc.size(2) == d &&
+                  kc.stride(2) == 1 && kc.stride(0) == d && kc.stride(1) == kc.size(0) * d && vc.strides() == kc.strides() &&
+                  vc.sizes() == kc.sizes(), "FusedDecoder: head-major fp32 cache");
+      const int64_t slots_per_head = kc.size(0), g = group_of_layer[i], width = tables[g].size(1);
+      const int64_t* tp = tables[g].data_ptr<int64_t>();
+      float* kp = kc.data_ptr<float>();
+      float* vp = vc.data_ptr<float>();
+      rms_rows(xp, nullptr, l.norm_in, eps_[2 * i], m, c, hn.get(), nullptr, small);
+      panel_rows(hn.get(), m, l.qkv, y.get(), small);
+      rotary_rows(y.get(), m, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), d, h + kvh, small);
+      for (int64_t r = 0; r < m; ++r) {  // this step's keys and values into the cache
+        const float* kr = y.get() + r * qkv_width + h * d;
+        const float* vr = kr + kvh * d;
+        for (int64_t j = 0; j < kvh; ++j) {
+          std::copy(kr + j * d, kr + (j + 1) * d, kp + (j * slots_per_head + slots[g][r]) * d);
+          std::copy(vr + j * d, vr + (j + 1) * d, vp + (j * slots_per_head + slots[g][r]) * d);
+        }
+      }
+      if (decodes)
+        decode_attention(y.get(), qkv_width, nd, h, d, kp, vp, kvh, slots_per_head, tp, width, cp, attn.get(), scaling_,
+                         windows_[i], block_size, small);
+      if (decodes < requests)
+        prefill_attention(y.get() + nd * qkv_width, qkv_width, m - nd, h, d, kp, vp, kvh, slots_per_head, tp + decodes * width,
+                          width, cp + decodes, qlens.data() + decodes, chunk_starts.data(), requests - decodes,
+                          attn.get() + nd * h * d, scaling_, windows_[i], block_size);
+      panel_rows(attn.get(), m, l.o, o.get(), small);
+      rms_rows(o.get(), xp, l.norm_post, eps_[2 * i + 1], m, c, hn.get(), sum.get(), small);
+      panel_rows(hn.get(), m, l.gate_up, gu.get(), small);
+      silu_rows(gu.get(), m, inter, act.get(), small);
+      panel_rows(act.get(), m, l.down, down.get(), small);
+      for (int64_t j = 0; j < m * c; ++j) xp[j] = sum[j] + down[j];
+    }
+    const int64_t kept = keep.size();
+    for (int64_t r = 0; r < kept; ++r) std::copy(xp + keep[r] * c, xp + (keep[r] + 1) * c, o.get() + r * c);
+    rms_rows(o.get(), nullptr, norm_t_.data_ptr<float>(), norm_eps_, kept, c, hn.get(), nullptr, small);
+    auto logits = torch::empty({kept, head_.n}, x.options());
+    panel_rows(hn.get(), kept, head_, logits.data_ptr<float>(), kept <= 2);
+    return logits;
+  }
+
+  struct Buffer {  // uninitialised floats (a vector's zeros cost a pass over every step's buffers)
+    explicit Buffer(int64_t n) : p(new float[n]) {}
+    float* get() const { return p.get(); }
+    float& operator[](int64_t i) const { return p[i]; }
+    std::unique_ptr<float[]> p;
+  };
+
   struct Layer {
     const float* norm_in;
     const float* norm_post;
@@ -1383,5 +1437,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<double>, std::vector<int64_t>, int64_t, int64_t,
                     int64_t, double, torch::Tensor, double, torch::Tensor, int64_t, torch::Tensor>())
       .def("forward", &FusedDecoder::forward, nogil)
+      .def("step", &FusedDecoder::step, nogil)
       .def("propose", &FusedDecoder::propose, nogil);
 }

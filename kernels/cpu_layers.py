@@ -10,10 +10,11 @@ of the stacked weights, C++).
 Supported: transformers' Llama, Mistral and Qwen2 decoder layers with SiLU MLPs, fp32 on CPU; other layers
 run unchanged.
 
-Where every decoder layer of a Llama, Mistral or Qwen2 causal LM is fused, decode steps skip even those calls:
+Where every decoder layer of a Llama, Mistral or Qwen2 causal LM is fused, steps skip even those calls:
 `FusedDecoder` runs all the layers, the final norm and the LM head in one C++ call (the same kernels in the
 same order, over the same packed weights), the embedding and rotary angles through the model's own modules.
-At batch 1 on SmolLM2 the Python between the layers was ~4 ms of a ~23 ms step. `FusedDecoder.speculate` runs
+At batch 1 on SmolLM2 the Python between the layers was ~4 ms of a ~23 ms step; in mixed-64's prefill steps ~0.3 s
+of 6. `FusedDecoder.speculate` runs
 speculative decode steps: the same decoder over int8 copies of the weights proposes tokens, the fp32 one checks
 them all in one pass.
 """
@@ -67,7 +68,7 @@ class FusedLayers:
         self.linears: set[nn.Linear] = set()
         """The linear layers computed here (`PackedLinears` can skip them)."""
         self.decoder: FusedDecoder | None = None
-        """A decode step in one call, where the whole model is fused."""
+        """A step in one call, where the whole model is fused."""
 
     def __enter__(self) -> "FusedLayers":
         kernels = native.load()
@@ -99,7 +100,7 @@ DECODER_MODELS = {"LlamaForCausalLM": "LlamaModel", "MistralForCausalLM": "Mistr
 
 
 class FusedDecoder:
-    """Decode steps with every decoder layer, the final norm and the LM head in one C++ call (`cpu_kernels.cpp`).
+    """Steps with every decoder layer, the final norm and the LM head in one C++ call (`cpu_kernels.cpp`).
     Module hooks registered on those modules do not run for these steps (nor does transformers' layer forward)."""
 
     @staticmethod
@@ -175,6 +176,17 @@ class FusedDecoder:
         started()
         return self.native.forward(x, cos, sin, step.keys, step.values, step.block_tables, step.group_of_layer,
                                    step.context_tensor, step.block_size)
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, step, keep: list[int], started) -> torch.Tensor:
+        """Logits [len(keep), vocab] of rows `keep` of any step (prefill chunks too) in one C++ call: the same
+        kernels as the fused layers' Python path, in the same order."""
+        inner = self.model.model
+        x = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(x, positions[None])
+        x, cos, sin = x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous()
+        started()
+        return self.native.step(x, cos, sin, step.keys, step.values, step.block_tables, step.group_of_layer,
+                                step.context_tensor, step.query_lens, step.num_decodes, keep, step.block_size)
 
     def speculate(self, input_ids: torch.Tensor, positions: torch.Tensor, step, k: int, started) -> list[list[int]]:
         """The greedy tokens of a decode-only step, one to k + 1 per row (speculative decoding).

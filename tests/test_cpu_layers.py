@@ -85,14 +85,18 @@ async def _run(model, work, **config):
 
 
 @pytest.mark.parametrize("make", [None, tiny_mistral, tiny_qwen2], ids=["llama", "mistral", "qwen2"])
-async def test_fused_layers_match_generate_and_leave_the_model_as_it_was(llama, make, kernels):
+async def test_fused_layers_match_generate_and_leave_the_model_as_it_was(llama, make, kernels, monkeypatch):
     model = llama if make is None else make()
+    mixed = []  # steps with prefill chunks, each in one call too
+    real = cpu_layers.FusedDecoder.step
+    monkeypatch.setattr(cpu_layers.FusedDecoder, "step", lambda self, *a: mixed.append(a[2].num_decodes) or real(self, *a))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     work = random_requests(10, 256, max_prompt=40, max_new=12, seed=3)
     refs = [reference(model, p, n) for p, n in work]
     got, fused = await _run(model, work, fuse_cpu_layers=True)
     assert fused
     assert got == refs
+    assert mixed and max(mixed) > 0  # prompts chunked (24 tokens a step), some steps with decodes beside them
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
     assert [reference(model, p, n) for p, n in work[:2]] == refs[:2]

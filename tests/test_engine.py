@@ -210,18 +210,17 @@ def test_unknown_model_path_is_a_clear_error(tmp_path):
 async def test_a_failing_forward_fails_its_requests_not_the_engine(llama):
     ref = reference(llama, [1, 2, 3], 5)
 
-    class Broken:
-        def prepare(self, step):
-            raise RuntimeError("kernel exploded")
+    def broken(*args):
+        raise RuntimeError("kernel exploded")
 
     async with Engine(llama, config=EngineConfig(num_blocks=64)) as engine:
-        working, engine.executor.backend = engine.executor.backend, Broken()
+        engine.executor._forward = broken  # (the model's forward or the one-call decoder, whichever runs)
         stream = engine.stream(greedy([1, 2, 3], 5))
         with pytest.raises(RequestError, match="kernel exploded"):
             _ = [t async for t in stream]
         assert stream.completion().finish_reason == "error"
         assert engine.num_free_blocks == 64
-        engine.executor.backend = working
+        del engine.executor._forward
         done = await engine.generate(greedy([1, 2, 3], 5))
     assert done.token_ids == ref
 
