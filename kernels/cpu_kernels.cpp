@@ -492,6 +492,7 @@ struct Panels {
   const float* bias = nullptr;
   int64_t n = 0, k = 0;
   const int8_t* q = nullptr;  // set instead of `p` for `pack_panels_int8` weights
+  bool gated = false;  // `pack_panels_gated` weights: the output is silu(gate) * up, n / 2 features
 };
 
 // Packed weights are carved out of 2 MiB-aligned chunks of at least 32 MiB advised for transparent huge pages
@@ -564,6 +565,25 @@ torch::Tensor pack_panels(std::vector<torch::Tensor> ws) {
       for (int64_t c = 0; c < k; ++c) column[c * PANEL] = wp[i * k + c];
     }
   }
+  return out;
+}
+
+// A gated MLP's gate and up projections ([I, K] each, I a multiple of 16) packed for `panel_linear(..., gated)`,
+// which computes silu(x @ gate.T) * (x @ up.T) in one pass: their panels in turns (gate's first 16 features, up's
+// first 16, ...), so that the kernel's pairs of panels are a gate panel and its up panel, whose outputs it
+// combines in registers' reach instead of writing both out for a second pass to read back.
+torch::Tensor pack_panels_gated(torch::Tensor gate, torch::Tensor up) {
+  const auto [n, k] = stacked_shape({gate, up});
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.size(0) % PANEL == 0, "pack_panels_gated: gate and up [I, K], I a multiple of 16");
+  auto out = huge_page_tensor({n / PANEL, k, PANEL});
+  float* op = out.data_ptr<float>();
+  const auto g = gate.contiguous(), u = up.contiguous();
+  for (int64_t i = 0; i < n / 2; ++i)
+    for (int which = 0; which < 2; ++which) {
+      const float* row = (which ? u : g).data_ptr<float>() + i * k;
+      float* column = op + (2 * (i / PANEL) + which) * k * PANEL + i % PANEL;
+      for (int64_t c = 0; c < k; ++c) column[c * PANEL] = row[c];
+    }
   return out;
 }
 
@@ -796,13 +816,25 @@ static void qpanel_rows(const float* xp, int64_t m, const Panels& w, float* yp, 
 // y = x @ w.T (+ b) ([M, K] -> [M, N]) over `pack_panels` weights. Threads split the panels; rows go through
 // in tiles of up to 6 (12 accumulators), blocks of rows sized so that x stays in L2 while a panel is reused
 // (with 512-bit vectors, more than three rows take the tiles of `panel_tile16` instead).
+// silu(gate) * up for `rows` rows of a tile through a gate panel and its up panel: t holds each row's 16 gate
+// outputs then its 16 up outputs; the same arithmetic as `silu_rows`.
+static inline void gated_store(const float* t, int64_t rows, float* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = t + r * 2 * PANEL;
+    const float* u = g + PANEL;
+    float* o = y + r * ldy;
+#pragma omp simd
+    for (int64_t i = 0; i < PANEL; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+  }
+}
+
 static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small) {
   if (w.q) {
     qpanel_rows(xp, m, w, yp, small);
     return;
   }
   constexpr int64_t TILE = 6;
-  const int64_t k = w.k, n = w.n;
+  const int64_t k = w.k, n = w.n, ny = w.gated ? n / 2 : n;  // ny: the outputs a row
   const float *pp = w.p, *bias = w.bias;
   const int64_t panels = (n + PANEL - 1) / PANEL;
   const int64_t rows_per_block = std::max<int64_t>(TILE, (262144 / (4 * k)) / TILE * TILE);
@@ -827,9 +859,18 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
           const float *panel = pp + p * k * PANEL, *b = bias ? bias + p * PANEL : nullptr;
           const int64_t j = p * PANEL, cols2 = std::min(PANEL, n - j - PANEL);
           const float* next = u + 1 < end ? pp + 2 * ((u + 1) % pairs) * k * PANEL : nullptr;
-          for (int64_t r = first; r < last; r += TILE16)
-            panel_tile16_rows<TILE16>(std::min(TILE16, last - r), xp + r * k, k, panel, panel + k * PANEL, yp + r * n + j, n,
-                                      cols2, b, r == first ? next : nullptr);
+          for (int64_t r = first; r < last; r += TILE16) {
+            const int64_t rows = std::min(TILE16, last - r);
+            if (w.gated) {
+              float t[TILE16 * 2 * PANEL];
+              panel_tile16_rows<TILE16>(rows, xp + r * k, k, panel, panel + k * PANEL, t, 2 * PANEL, PANEL, b,
+                                        r == first ? next : nullptr);
+              gated_store(t, rows, yp + r * ny + j / 2, ny);
+            } else {
+              panel_tile16_rows<TILE16>(rows, xp + r * k, k, panel, panel + k * PANEL, yp + r * n + j, n, cols2, b,
+                                        r == first ? next : nullptr);
+            }
+          }
         }
       }
     });
@@ -842,6 +883,31 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
     return;
   }
 #endif
+  if (w.gated) {  // a gate panel and its up panel a task, as `panel_pair` (up to three rows) or two `panel_tile`s
+    for (int64_t first = 0; first < m; first += rows_per_block) {
+      const int64_t last = std::min(m, first + rows_per_block);
+      parallel(panels / 2, 1, small, [&](int64_t begin, int64_t end) {
+        float t[TILE * 2 * PANEL];
+        for (int64_t i = begin; i < end; ++i) {
+          const float *panel = pp + 2 * i * k * PANEL, *b = bias ? bias + 2 * i * PANEL : nullptr;
+          const float* next = i + 1 < end ? panel + 2 * k * PANEL : nullptr;
+          for (int64_t r = first; r < last; r += TILE) {
+            const int64_t rows = std::min(TILE, last - r);
+            if (rows == 3) panel_pair<3>(xp + r * k, k, panel, t, 2 * PANEL, PANEL, b);
+            else if (rows == 2) panel_pair<2>(xp + r * k, k, panel, t, 2 * PANEL, PANEL, b);
+            else if (rows == 1) panel_pair<1>(xp + r * k, k, panel, t, 2 * PANEL, PANEL, b);
+            else {
+              panel_tile_rows(rows, xp + r * k, k, panel, t, 2 * PANEL, PANEL, b, r == first ? next : nullptr);
+              panel_tile_rows(rows, xp + r * k, k, panel + k * PANEL, t + PANEL, 2 * PANEL, PANEL, b ? b + PANEL : nullptr,
+                              r == first && next ? next + k * PANEL : nullptr);
+            }
+            gated_store(t, rows, yp + r * ny + i * PANEL, ny);
+          }
+        }
+      });
+    }
+    return;
+  }
   for (int64_t first = 0; first < m; first += rows_per_block) {
     const int64_t last = std::min(m, first + rows_per_block);
     parallel(panels, 1, small, [&](int64_t begin, int64_t end) {
@@ -873,7 +939,7 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
   }
 }
 
-static Panels panels_of(const torch::Tensor& packed, int64_t n, const torch::Tensor& bias) {
+static Panels panels_of(const torch::Tensor& packed, int64_t n, const torch::Tensor& bias, bool gated = false) {
   Panels w;
   if (packed.scalar_type() == torch::kChar) {  // `pack_panels_int8`
     TORCH_CHECK(packed.is_contiguous() && packed.dim() == 2 && packed.size(0) * PANEL >= n && packed.size(1) % PANEL == 0 &&
@@ -890,15 +956,18 @@ static Panels panels_of(const torch::Tensor& packed, int64_t n, const torch::Ten
                 "panel_linear: one fp32 bias per output feature");
     w.bias = bias.data_ptr<float>();
   }
+  TORCH_CHECK(!gated || (!w.q && n % (2 * PANEL) == 0), "panel_linear: gated weights from pack_panels_gated");
+  w.gated = gated;
   return w;
 }
 
-// x [M, K] -> [M, N] through weights packed by `pack_panels` (n: their output features).
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> b) {
-  const Panels w = panels_of(packed, n, b.has_value() ? *b : torch::Tensor());
+// x [M, K] -> [M, N] through weights packed by `pack_panels` (n: their output features); `gated`: weights from
+// `pack_panels_gated` (n: gate's and up's features together, the bias in their panels' order) -> [M, N / 2].
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> b, bool gated) {
+  const Panels w = panels_of(packed, n, b.has_value() ? *b : torch::Tensor(), gated);
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) == w.k,
               "panel_linear: contiguous fp32 [M, K]");
-  auto y = torch::empty({x.size(0), n}, x.options());
+  auto y = torch::empty({x.size(0), gated ? n / 2 : n}, x.options());
   panel_rows(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>(), x.size(0) <= 2);
   return y;
 }
@@ -1243,10 +1312,11 @@ class FusedDecoder {
  public:
   // Per layer: {input norm, q/k/v panels, their bias, o panels, bias, post-attention norm, gate/up panels, bias,
   // down panels, bias} (an empty tensor: no bias), its two norms' epsilons and its window (0: none); then the
-  // final norm's weight and epsilon, the LM head's panels and bias.
+  // final norm's weight and epsilon, the LM head's panels and bias; `gated`: the gate/up panels are from
+  // `pack_panels_gated` (else stacked, their SiLU a pass of its own).
   FusedDecoder(std::vector<std::vector<torch::Tensor>> layers, std::vector<double> eps, std::vector<int64_t> windows,
                int64_t heads, int64_t kv_heads, int64_t dim, double scaling, torch::Tensor norm, double norm_eps,
-               torch::Tensor head, int64_t vocab, torch::Tensor head_bias)
+               torch::Tensor head, int64_t vocab, torch::Tensor head_bias, bool gated)
       : tensors_(std::move(layers)), eps_(std::move(eps)), windows_(std::move(windows)), heads_(heads),
         kv_heads_(kv_heads), dim_(dim), scaling_(scaling), norm_t_(norm.contiguous()), norm_eps_(norm_eps),
         head_t_(head), head_bias_t_(head_bias) {
@@ -1260,7 +1330,7 @@ class FusedDecoder {
       l.qkv = panels_of(t[1], qkv_width, t[2]);
       l.o = panels_of(t[3], c, t[4]);
       l.down = panels_of(t[8], c, t[9]);
-      l.gate_up = panels_of(t[6], 2 * l.down.k, t[7]);
+      l.gate_up = panels_of(t[6], 2 * l.down.k, t[7], gated);
       TORCH_CHECK(l.qkv.k == c && l.o.k == heads * dim && l.gate_up.k == c, "FusedDecoder: projection shapes");
       layers_.push_back(l);
     }
@@ -1384,8 +1454,12 @@ class FusedDecoder {
                           attn.get() + nd * h * d, scaling_, windows_[i], block_size);
       panel_rows(attn.get(), m, l.o, o.get(), small);
       rms_rows(o.get(), xp, l.norm_post, eps_[2 * i + 1], m, c, hn.get(), sum.get(), small);
-      panel_rows(hn.get(), m, l.gate_up, gu.get(), small);
-      silu_rows(gu.get(), m, inter, act.get(), small);
+      if (l.gate_up.gated) {
+        panel_rows(hn.get(), m, l.gate_up, act.get(), small);
+      } else {
+        panel_rows(hn.get(), m, l.gate_up, gu.get(), small);
+        silu_rows(gu.get(), m, inter, act.get(), small);
+      }
       panel_rows(act.get(), m, l.down, down.get(), small);
       for (int64_t j = 0; j < m * c; ++j) xp[j] = sum[j] + down[j];
     }
@@ -1427,15 +1501,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, nogil);
   m.def("paged_prefill", &paged_prefill, nogil);
   m.def("pack_panels", &pack_panels);
+  m.def("pack_panels_gated", &pack_panels_gated);
   m.def("pack_panels_int8", &pack_panels_int8);
-  m.def("panel_linear", &panel_linear, nogil);
+  m.def("panel_linear", &panel_linear, py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("b"), py::arg("gated") = false, nogil);
   m.def("rms_norm", &rms_norm, nogil);
   m.def("rotary_", &rotary_, nogil);
   m.def("silu_mul", &silu_mul, nogil);
   m.def("argmax_rows", &argmax_rows, nogil);
   py::class_<FusedDecoder>(m, "FusedDecoder")
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<double>, std::vector<int64_t>, int64_t, int64_t,
-                    int64_t, double, torch::Tensor, double, torch::Tensor, int64_t, torch::Tensor>())
+                    int64_t, double, torch::Tensor, double, torch::Tensor, int64_t, torch::Tensor, bool>())
       .def("forward", &FusedDecoder::forward, nogil)
       .def("step", &FusedDecoder::step, nogil)
       .def("propose", &FusedDecoder::propose, nogil);

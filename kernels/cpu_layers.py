@@ -127,13 +127,16 @@ class FusedDecoder:
             p = packs[layer]
             layers.append([p.qkv.packed, p.qkv.bias, p.o.packed, p.o.bias, p.gate_up.packed, p.gate_up.bias, p.down.packed,
                            p.down.bias])
-        self.native = self._native(layers, head.packed, head.bias)
+        (gated,) = {packs[layer].gate_up.gated for layer in model.model.layers}  # (one MLP width for every layer)
+        self.native = self._native(layers, head.packed, head.bias, gated=gated)
         self._draft = None
         self.argmax = kernels.argmax_rows
         """torch.argmax's tokens, off OpenMP (see `argmax_rows` in `cpu_kernels.cpp`)."""
 
-    def _native(self, layers: list[list[torch.Tensor | None]], head: torch.Tensor, head_bias: torch.Tensor | None):
-        """The C++ decoder over these packed linears (per layer: q/k/v, o, gate/up and down, each with its bias)."""
+    def _native(self, layers: list[list[torch.Tensor | None]], head: torch.Tensor, head_bias: torch.Tensor | None,
+                gated: bool = False):
+        """The C++ decoder over these packed linears (per layer: q/k/v, o, gate/up and down, each with its bias;
+        `gated`: every gate/up from `pack_panels_gated`)."""
         model = self.model
         specs, eps, windows = [], [], []
         empty = torch.empty(0)  # no bias
@@ -147,7 +150,7 @@ class FusedDecoder:
         dim, norm = attn.head_dim, model.model.norm
         return self.kernels.FusedDecoder(specs, eps, windows, attn.q_proj.out_features // dim, attn.k_proj.out_features // dim,
                                          dim, attn.scaling, norm.weight.detach(), norm.variance_epsilon, head,
-                                         model.lm_head.out_features, empty if head_bias is None else head_bias)
+                                         model.lm_head.out_features, empty if head_bias is None else head_bias, gated)
 
     @property
     def draft(self):
@@ -236,13 +239,18 @@ def _stacked(linears: list[nn.Linear]) -> cpu_linear.PanelLinear:
 
 
 class _LayerLinears:
-    """A decoder layer's four packed linears: q/k/v and gate/up stacked, o and down."""
+    """A decoder layer's four packed linears: q/k/v stacked, o, gate/up (gated: SiLU·up in the same pass, where
+    the MLP's width is a multiple of 16; else stacked) and down."""
 
     def __init__(self, layer: nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = _stacked([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o = _stacked([attn.o_proj])
-        self.gate_up = _stacked([mlp.gate_proj, mlp.up_proj])
+        gate_up = [mlp.gate_proj, mlp.up_proj]
+        if mlp.gate_proj.out_features % 16 == 0:
+            self.gate_up = cpu_linear.PanelLinear([m.weight.detach() for m in gate_up], _stacked_bias(gate_up), gated=True)
+        else:
+            self.gate_up = _stacked(gate_up)
         self.down = _stacked([mlp.down_proj])
 
 
@@ -268,7 +276,7 @@ def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):
         v = y[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim).transpose(0, 1)[None]
         out, _ = jitney_attention(attn, q, k, v, None, scaling=attn.scaling, sliding_window=window, **kwargs)
         h, x = kernels.rms_norm(o_proj(out.reshape(t, heads * dim)), x, norm_post.weight, norm_post.variance_epsilon)
-        x = x + down(kernels.silu_mul(gate_up(h)))
+        x = x + down(gate_up(h) if gate_up.gated else kernels.silu_mul(gate_up(h)))
         return x.view(shape)
 
     return forward

@@ -48,12 +48,19 @@ class PackedLinears:
 
 class PanelLinear:
     """`x @ W.T + bias` for fp32 CPU rows, W the row blocks `weights` stacked (one linear over q, k and v
-    projections), through one packed copy (`packed`, made here; the weights themselves are not kept)."""
+    projections), through one packed copy (`packed`, made here; the weights themselves are not kept).
 
-    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None):
+    `gated`: `weights` are a gated MLP's gate and up projections ([I, K] each, I a multiple of 16, `bias` theirs
+    stacked) and the layer computes silu(x @ gate.T) * (x @ up.T) [.., I] in one pass (`pack_panels_gated`)."""
+
+    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, gated: bool = False):
         kernels = native.load()
-        self.packed = kernels.pack_panels(weights)
-        self.out_features = sum(w.shape[0] for w in weights)
+        self.gated = gated
+        self.packed = kernels.pack_panels_gated(*weights) if gated else kernels.pack_panels(weights)
+        self.width = sum(w.shape[0] for w in weights)  # the kernel's outputs before gating
+        self.out_features = self.width // 2 if gated else self.width
+        if bias is not None and gated:  # in the panels' order: gate's 16 features, then up's 16, ...
+            bias = torch.stack(bias.detach().view(2, -1, 16).unbind(0), 1).reshape(-1)
         self.bias = None if bias is None else bias.detach().contiguous()
         self._kernel = kernels.panel_linear
 
@@ -61,7 +68,7 @@ class PanelLinear:
         flat = x.reshape(-1, x.shape[-1])
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        return self._kernel(flat, self.packed, self.out_features, self.bias).view(*x.shape[:-1], self.out_features)
+        return self._kernel(flat, self.packed, self.width, self.bias, self.gated).view(*x.shape[:-1], self.out_features)
 
 
 def packed_linear(weights: list[torch.Tensor], bias: torch.Tensor | None):

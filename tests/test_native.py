@@ -53,6 +53,29 @@ def test_packed_linears_match_nn_linear():
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, 300])
+@pytest.mark.parametrize("bias", [True, False])
+def test_gated_panel_linear_is_silu_of_gate_times_up(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    gate, up, x = torch.randn(96, 70, generator=g), torch.randn(96, 70, generator=g), torch.randn(rows, 70, generator=g)
+    b = torch.randn(192, generator=g) if bias else None
+    layer = cpu_linear.PanelLinear([gate, up], b, gated=True)
+    both = F.linear(x, torch.cat([gate, up]), b)
+    # (products of two sums of ~8 each: float rounding of either sum moves them by up to ~1e-5)
+    torch.testing.assert_close(layer(x), F.silu(both[:, :96]) * both[:, 96:], atol=1e-4, rtol=1e-5)
+    # the same arithmetic as the stacked linear and then `silu_mul`
+    kernels = native.load()
+    assert torch.equal(layer(x), kernels.silu_mul(cpu_linear.PanelLinear([gate, up], b)(x)))
+
+
+def test_gated_packing_refuses_widths_that_are_not_whole_panels():
+    kernels = native.load()
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.pack_panels_gated(torch.randn(40, 8), torch.randn(40, 8))
+    with pytest.raises(RuntimeError, match="gated weights"):
+        kernels.panel_linear(torch.randn(1, 8), kernels.pack_panels([torch.randn(40, 8)]), 40, None, True)
+
+
 def test_panel_linear_over_stacked_weight_blocks():
     ws, x, b = [torch.randn(100, 64), torch.randn(37, 64), torch.randn(70, 64)], torch.randn(3, 64), torch.randn(207)
     torch.testing.assert_close(panel_linear(x, ws, b), F.linear(x, torch.cat(ws), b), atol=1e-5, rtol=1e-5)
