@@ -339,17 +339,20 @@ template <int HEADS>
 static inline void group_scores(const float* q, int64_t dim, const float* const* k, int64_t n16, float scale, float* s,
                                 int64_t ld, int64_t ahead) {
   const int64_t lines = dim / 16;
+  const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < n16; i += 16) {
-    __m512 part[4][HEADS];
+    // quads 0 and 1 folded before quads 2 and 3 are computed: fewer registers live, fewer spilled (64 rows at
+    // ~240 positions, SmolLM2's 30 layers' caches, the same process alternating: 30.5 -> 31.6 GB/s)
+    __m512 a[HEADS], b[HEADS], first[HEADS];
     for (int quad = 0; quad < 4; ++quad) {
       for (int64_t j = i + 4 * quad + ahead; j < std::min(n16, i + 4 * quad + ahead + 4); ++j)
         for (int64_t l = 0; l < lines; ++l) prefetch_l2(k[j] + 16 * l);
-      quad_scores<HEADS>(q, dim, k + i + 4 * quad, part[quad]);
+      quad_scores<HEADS>(q, dim, k + i + 4 * quad, quad % 2 ? b : a);
+      if (quad == 1)
+        for (int g = 0; g < HEADS; ++g) first[g] = fold<4>(a[g], b[g]);
     }
-    const __m512 sc = _mm512_set1_ps(scale);
     for (int g = 0; g < HEADS; ++g)
-      _mm512_storeu_ps(s + g * ld + i,
-                       _mm512_mul_ps(sc, fold<2>(fold<4>(part[0][g], part[1][g]), fold<4>(part[2][g], part[3][g]))));
+      _mm512_storeu_ps(s + g * ld + i, _mm512_mul_ps(sc, fold<2>(first[g], fold<4>(a[g], b[g]))));
   }
 }
 
