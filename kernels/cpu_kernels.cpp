@@ -831,9 +831,21 @@ static inline void gated_store(const float* t, int64_t rows, float* y, int64_t l
   }
 }
 
-static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small) {
+// y += a over a tile's rows x cols (both `ld` floats a row): the residual added where the tile was just stored.
+static inline void add_tile(float* y, const float* a, int64_t rows, int64_t cols, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r)
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) y[r * ld + c] += a[r * ld + c];
+}
+
+// y = x @ W.T (+ bias), then `+ add` ([m, n] like y) where given, each tile's as soon as it is stored (a decoder
+// layer's residual, without a pass of its own: a 20-decode + 236-token step of SmolLM2 184 -> 178-182 ms, the
+// same process alternating); not with gated weights.
+static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small, const float* add = nullptr) {
+  TORCH_CHECK(!(add && w.gated), "panel_rows: no residual with gated weights");
   if (w.q) {
     qpanel_rows(xp, m, w, yp, small);
+    if (add) add_tile(yp, add, m, w.n, w.n);  // (a draft's few rows)
     return;
   }
   constexpr int64_t TILE = 6;
@@ -872,6 +884,7 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
             } else {
               panel_tile16_rows<TILE16>(rows, xp + r * k, k, panel, panel + k * PANEL, yp + r * n + j, n, cols2, b,
                                         r == first ? next : nullptr);
+              if (add) add_tile(yp + r * n + j, add + r * n + j, rows, PANEL + cols2, n);
             }
           }
         }
@@ -879,9 +892,11 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
     });
     if (panels % 2) {  // the odd one left, on this thread
       const int64_t j = (panels - 1) * PANEL;
-      for (int64_t r = 0; r < m; r += TILE)
+      for (int64_t r = 0; r < m; r += TILE) {
         panel_tile_rows(std::min(TILE, m - r), xp + r * k, k, pp + (panels - 1) * k * PANEL, yp + r * n + j, n,
                         n - j, bias ? bias + j : nullptr, nullptr);
+        if (add) add_tile(yp + r * n + j, add + r * n + j, std::min(TILE, m - r), n - j, n);
+      }
     }
     return;
   }
@@ -926,6 +941,7 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
             panel_pair<2>(xp + first * k, k, panel, y, n, cols2, b);
           else
             panel_pair<1>(xp + first * k, k, panel, y, n, cols2, b);
+          if (add) add_tile(y, add + first * n + p * PANEL, last - first, PANEL + cols2, n);
         }
       }
       for (; p < end; ++p) {
@@ -936,6 +952,7 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
           // the first tile brings the next panel into cache while it computes
           const float* next = r == first && p + 1 < end ? panel + k * PANEL : nullptr;
           panel_tile_rows(std::min(TILE, last - r), xp + r * k, k, panel, yp + r * n + j, n, cols, b, next);
+          if (add) add_tile(yp + r * n + j, add + r * n + j, std::min(TILE, last - r), cols, n);
         }
       }
     });
@@ -1422,8 +1439,7 @@ class FusedDecoder {
     std::vector<int64_t> chunk_starts(starts.begin() + decodes, starts.end() - 1);
     for (int64_t& s : chunk_starts) s -= starts[decodes];
     const int64_t qkv_width = (h + 2 * kvh) * d, inter = layers_.empty() ? 0 : layers_[0].down.k, nd = starts[decodes];
-    Buffer xs(m * c), hn(m * c), y(m * qkv_width), attn(m * h * d), o(m * c), sum(m * c), gu(m * 2 * inter), act(m * inter),
-        down(m * c);
+    Buffer xs(m * c), hn(m * c), y(m * qkv_width), attn(m * h * d), o(m * c), sum(m * c), gu(m * 2 * inter), act(m * inter);
     float* xp = xs.get();
     std::copy(x.data_ptr<float>(), x.data_ptr<float>() + m * c, xp);
     for (size_t i = 0; i < num_layers; ++i) {
@@ -1463,8 +1479,7 @@ class FusedDecoder {
         panel_rows(hn.get(), m, l.gate_up, gu.get(), small);
         silu_rows(gu.get(), m, inter, act.get(), small);
       }
-      panel_rows(act.get(), m, l.down, down.get(), small);
-      for (int64_t j = 0; j < m * c; ++j) xp[j] = sum[j] + down[j];
+      panel_rows(act.get(), m, l.down, xp, small, sum.get());  // x = sum + down(act)
     }
     const int64_t kept = keep.size();
     for (int64_t r = 0; r < kept; ++r) std::copy(xp + keep[r] * c, xp + (keep[r] + 1) * c, o.get() + r * c);
@@ -1477,7 +1492,6 @@ class FusedDecoder {
   struct Buffer {  // uninitialised floats (a vector's zeros cost a pass over every step's buffers)
     explicit Buffer(int64_t n) : p(new float[n]) {}
     float* get() const { return p.get(); }
-    float& operator[](int64_t i) const { return p[i]; }
     std::unique_ptr<float[]> p;
   };
 
