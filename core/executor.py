@@ -206,7 +206,9 @@ class StepExecutor:
             if p.step.num_decodes == len(p.step.query_lens):
                 logits = self.decoder(p.input_ids, p.positions, p.step, started)
             else:
-                logits = self.decoder.step(p.input_ids, p.positions, p.step, p.keep.tolist(), started)
+                # (no LM head at all for a step that samples nothing: chunks of prompts that go on)
+                keep = p.keep.tolist() if p.sampled_entries else []
+                logits = self.decoder.step(p.input_ids, p.positions, p.step, keep, started)
             argmax = self.decoder.argmax
         else:
             started()

@@ -1439,7 +1439,9 @@ class FusedDecoder {
     std::vector<int64_t> chunk_starts(starts.begin() + decodes, starts.end() - 1);
     for (int64_t& s : chunk_starts) s -= starts[decodes];
     const int64_t qkv_width = (h + 2 * kvh) * d, inter = layers_.empty() ? 0 : layers_[0].down.k, nd = starts[decodes];
-    Buffer xs(m * c), hn(m * c), y(m * qkv_width), attn(m * h * d), o(m * c), sum(m * c), gu(m * 2 * inter), act(m * inter);
+    const bool gated = !layers_.empty() && layers_[0].gate_up.gated;  // (every layer alike: the constructor's flag)
+    Buffer xs(m * c), hn(m * c), y(m * qkv_width), attn(m * h * d), o(m * c), sum(m * c), gu(gated ? 0 : m * 2 * inter),
+        act(m * inter);
     float* xp = xs.get();
     std::copy(x.data_ptr<float>(), x.data_ptr<float>() + m * c, xp);
     for (size_t i = 0; i < num_layers; ++i) {
@@ -1473,7 +1475,7 @@ class FusedDecoder {
                           attn.get() + nd * h * d, scaling_, windows_[i], block_size);
       panel_rows(attn.get(), m, l.o, o.get(), small);
       rms_rows(o.get(), xp, l.norm_post, eps_[2 * i + 1], m, c, hn.get(), sum.get(), small);
-      if (l.gate_up.gated) {
+      if (gated) {
         panel_rows(hn.get(), m, l.gate_up, act.get(), small);
       } else {
         panel_rows(hn.get(), m, l.gate_up, gu.get(), small);
