@@ -206,7 +206,8 @@ async def test_a_prefix_demoted_while_its_request_waited_is_recomputed_correctly
 async def test_parallel_samples_share_the_prompt_and_copy_its_partial_block(llama):
     prompt = list(range(60, 70))  # 2 full blocks of 4 and a partial one
     ref = reference(llama, prompt, 12)
-    async with Engine(llama, config=EngineConfig(block_size=4, num_blocks=40)) as engine:
+    # (no speculation: its proposals' slots would count among the blocks held below)
+    async with Engine(llama, config=EngineConfig(block_size=4, num_blocks=40, speculative_tokens=0)) as engine:
         start = engine.num_free_blocks
         stream = engine.stream(Request(prompt, SamplingParams(max_new_tokens=12, n=3)))
         seen = {}

@@ -172,4 +172,5 @@ def test_online_load_generator_reports_latency_percentiles(server):
     report = anyio.run(load, server[0], "smollm2", 20.0, 4, 0, KEY)
     assert report["requests"] == 4 and report["output_chunks_per_s"] > 0
     assert 0 < report["ttft_p50_ms"] <= report["ttft_p99_ms"]
-    assert 0 < report["itl_p50_ms"] <= report["itl_p99_ms"]
+    # (speculative steps hand out several tokens at once: many gaps between chunks are ~0)
+    assert 0 <= report["itl_p50_ms"] <= report["itl_p99_ms"] and report["itl_p99_ms"] > 0
