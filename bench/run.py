@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import anyio
 import torch
 
-from jitney.bench.workloads import WORKLOADS, Workload, long_prompt, single_chat
+from jitney.bench.workloads import WORKLOADS, Workload, long_prompt
 from jitney.core.events import StepCompleted
 from jitney.core.hooks import hookimpl
 
@@ -269,8 +269,8 @@ def main(args) -> int:
     # long-prompt is sized by the token budget it has to chunk across
     if args.workload == "long-prompt":
         work = long_prompt(vocab, args.max_batch_tokens)
-    elif args.workload == "single-chat":
-        work = single_chat(tokenizer)
+    elif args.workload in ("single-chat", "chat-4"):
+        work = WORKLOADS[args.workload](tokenizer)
     else:
         work = WORKLOADS[args.workload](vocab)
     out_tokens = sum(n for _, n in work)

@@ -58,20 +58,40 @@ def single_stream(vocab_size: int) -> Workload:
     return [([rng.randrange(100, vocab_size) for _ in range(16)], 128)]
 
 
-CHAT_QUESTION = "Explain how a refrigerator works, step by step."
+CHAT_QUESTIONS = (
+    "Explain how a refrigerator works, step by step.",
+    "Write a short story about a robot who learns to paint.",
+    "What were the main causes of the French Revolution?",
+    "How do I bake bread at home?",
+)
+CHAT_QUESTION = CHAT_QUESTIONS[0]
+
+
+def chat(tokenizer, count: int) -> Workload:
+    """`count` requests (at most four), real questions through the model's chat template, 128 new tokens each:
+    a few streams on text. (single-stream's random prompt sends SmolLM2 into a loop of one sentence, which a
+    draft model predicts better than text.)"""
+    work = []
+    for question in CHAT_QUESTIONS[:count]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # (a BatchEncoding in newer transformers)
+        work.append((list(ids), 128))
+    return work
 
 
 def single_chat(tokenizer) -> Workload:
-    """One request, a real question through the model's chat template, 128 new tokens: one stream on text.
-    (single-stream's random prompt sends SmolLM2 into a loop of one sentence, which a draft model predicts
-    better than text.)"""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_QUESTION}], add_generation_prompt=True, tokenize=True)
-    ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # (a BatchEncoding in newer transformers)
-    return [(list(ids), 128)]
+    """One request, a real question through the model's chat template, 128 new tokens: one stream on text."""
+    return chat(tokenizer, 1)
 
 
+def chat_4(tokenizer) -> Workload:
+    """Four chat requests at once, 128 new tokens each: a few streams, where speculation still runs."""
+    return chat(tokenizer, 4)
+
+
+# (single-chat and chat-4 take the tokenizer, the others the vocabulary size)
 WORKLOADS = {
-    "single-stream": single_stream, "single-chat": single_chat,
+    "single-stream": single_stream, "single-chat": single_chat, "chat-4": chat_4,
     "mixed-64": mixed_64, "long-prompt": long_prompt, "shared-prefix": shared_prefix, "multi-prefix": multi_prefix,
     "sharegpt-like": sharegpt_like,
 }

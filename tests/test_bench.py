@@ -6,7 +6,7 @@ import json
 
 from support import tiny_llama
 
-from jitney.bench.workloads import CHAT_QUESTION, single_chat
+from jitney.bench.workloads import CHAT_QUESTION, CHAT_QUESTIONS, chat_4, single_chat
 from jitney.cli import main as cli
 
 
@@ -51,6 +51,9 @@ def test_single_chat_is_a_real_question_through_the_chat_template(smollm2):
     _, tokenizer = smollm2
     ((prompt, n),) = single_chat(tokenizer)
     assert n == 128 and CHAT_QUESTION in tokenizer.decode(prompt) and len(prompt) > 20
+    four = chat_4(tokenizer)
+    assert [n for _, n in four] == [128] * 4
+    assert all(q in tokenizer.decode(p) for q, (p, _) in zip(CHAT_QUESTIONS, four, strict=True))
 
 
 def test_null_executor_times_the_engine_alone(tmp_path):
