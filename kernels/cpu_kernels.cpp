@@ -809,14 +809,13 @@ static void qpanel_rows(const float* xp, int64_t m, const Panels& w, float* yp, 
     // the fp32 model's own step (28.2 against 21.8 ms), and speculation did not pay beyond a few rows.
     constexpr int64_t TILE16 = 12;
     parallel((panels + 1) / 2, 1, small, [&](int64_t begin, int64_t end) {
-      std::unique_ptr<float[], decltype(&std::free)> wide(
-          static_cast<float*>(std::aligned_alloc(64, 2 * k * PANEL * sizeof(float))), &std::free);
+      std::vector<float> wide(2 * k * PANEL);
       float tile[TILE16 * 2 * PANEL];
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t p = 2 * pair, j = p * PANEL, count = std::min<int64_t>(2, panels - p);
         for (int64_t q = 0; q < 2; ++q)
           for (int64_t i = 0; i < k * PANEL; i += 16)
-            _mm512_store_ps(wide.get() + q * k * PANEL + i,
+            _mm512_storeu_ps(wide.data() + q * k * PANEL + i,
                             q < count ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                                             reinterpret_cast<const __m128i*>(w.q + (p + q) * width + i))))
                                       : _mm512_setzero_ps());
@@ -825,7 +824,7 @@ static void qpanel_rows(const float* xp, int64_t m, const Panels& w, float* yp, 
         const float* next = pair + 1 < end ? reinterpret_cast<const float*>(w.q + (p + 2) * width) : nullptr;
         for (int64_t r = 0; r < m; r += TILE16) {
           const int64_t rows = std::min(TILE16, m - r);
-          panel_tile16_rows<TILE16>(rows, xp + r * k, k, wide.get(), wide.get() + k * PANEL, tile, 2 * PANEL, PANEL,
+          panel_tile16_rows<TILE16>(rows, xp + r * k, k, wide.data(), wide.data() + k * PANEL, tile, 2 * PANEL, PANEL,
                                     nullptr, r == 0 ? next : nullptr);
           for (int64_t q = 0; q < count; ++q) {
             const float* scale = reinterpret_cast<const float*>(w.q + (p + q) * width + k * PANEL);
@@ -858,9 +857,6 @@ static void qpanel_rows(const float* xp, int64_t m, const Panels& w, float* yp, 
   });
 }
 
-// y = x @ w.T (+ b) ([M, K] -> [M, N]) over `pack_panels` weights. Threads split the panels; rows go through
-// in tiles of up to 6 (12 accumulators), blocks of rows sized so that x stays in L2 while a panel is reused
-// (with 512-bit vectors, more than three rows take the tiles of `panel_tile16` instead).
 // silu(gate) * up for `rows` rows of a tile through a gate panel and its up panel: t holds each row's 16 gate
 // outputs then its 16 up outputs; the same arithmetic as `silu_rows`.
 static inline void gated_store(const float* t, int64_t rows, float* y, int64_t ldy) {
@@ -880,9 +876,13 @@ static inline void add_tile(float* y, const float* a, int64_t rows, int64_t cols
     for (int64_t c = 0; c < cols; ++c) y[r * ld + c] += a[r * ld + c];
 }
 
-// y = x @ W.T (+ bias), then `+ add` ([m, n] like y) where given, each tile's as soon as it is stored (a decoder
-// layer's residual, without a pass of its own: a 20-decode + 236-token step of SmolLM2 184 -> 178-182 ms, the
-// same process alternating); not with gated weights.
+// y = x @ w.T (+ b) ([M, K] -> [M, N]) over `pack_panels` weights. Threads split the panels; rows go through
+// in tiles of up to 6 (12 accumulators), blocks of rows sized so that x stays in L2 while a panel is reused
+// (with 512-bit vectors, more than three rows take the tiles of `panel_tile16` instead).
+// With gated weights (`pack_panels_gated`) y is [M, N / 2], silu(gate) * up (`gated_store`, tile by tile).
+// `add` ([M, N] like y), where given, is added to each tile as soon as it is stored (a decoder layer's residual,
+// without a pass of its own: a 20-decode + 236-token step of SmolLM2 184 -> 178-182 ms, the same process
+// alternating); not with gated weights.
 static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small, const float* add = nullptr) {
   TORCH_CHECK(!(add && w.gated), "panel_rows: no residual with gated weights");
   if (w.q) {
@@ -1037,8 +1037,9 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10
 // Attention of prefill chunks over the paged, head-major cache ([kv_heads, slots, dim]), causal (and within
 // `window`, 0: none), each chunk's own keys and values already written. Chunk j is query rows [starts[j],
 // starts[j] + qlens[j]) of q (`rows_in` rows `q_stride` floats apart, each starting with its heads x dim
-// queries), positions ctx[j] - qlens[j] .. ctx[j] - 1, its block table row j of `tables`; out [rows, heads, dim]. First each chunk's keys are copied into panels (16 positions at a time, transposed) and
-// its values into panels of 16 dims; then one task per (chunk, KV head, tile of 8 query rows) takes the
+// queries), positions ctx[j] - qlens[j] .. ctx[j] - 1, its block table row j of `tables`; out [rows, heads,
+// dim]. First each chunk's keys are copied into panels (16 positions at a time, transposed) and its values
+// into panels of 16 dims; then one task per (chunk, KV head, tile of 8 query rows) takes the
 // tile's rows times `group` query heads against 64 keys at a time, both products `panel_tile`s (with 512-bit
 // vectors and whole panels, `panel_tile16`s over two of them: a 256-token chunk of SmolLM2's on an AMD EPYC, three
 // alternating processes, 744-1044 -> 639-741 us), with an online softmax. Keys past a row's position (or before

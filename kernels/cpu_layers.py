@@ -13,10 +13,9 @@ run unchanged.
 Where every decoder layer of a Llama, Mistral or Qwen2 causal LM is fused, steps skip even those calls:
 `FusedDecoder` runs all the layers, the final norm and the LM head in one C++ call (the same kernels in the
 same order, over the same packed weights), the embedding and rotary angles through the model's own modules.
-At batch 1 on SmolLM2 the Python between the layers was ~4 ms of a ~23 ms step; in mixed-64's prefill steps ~0.3 s
-of 6. `FusedDecoder.speculate` runs
-speculative decode steps: the same decoder over int8 copies of the weights proposes tokens, the fp32 one checks
-them all in one pass.
+At batch 1 on SmolLM2 the Python between the layers was ~4 ms of a ~23 ms step; in mixed-64's prefill steps
+~0.3 s of 6. `FusedDecoder.speculate` runs speculative decode steps: the same decoder over int8 copies of the
+weights proposes tokens, the fp32 one checks them all in one pass.
 """
 
 from __future__ import annotations
