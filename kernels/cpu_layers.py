@@ -3,8 +3,9 @@
 transformers' decoder layer runs ~15 module calls and ~45 small torch ops per layer; at batch 1 on SmolLM2
 those cost about a quarter of a step (~8 of ~32 ms). While `FusedLayers` is entered, each supported layer instead runs:
 RMSNorm (C++), one linear over q, k and v stacked, rotary embedding in place (C++), the engine's attention
-backend, the output projection, residual add + RMSNorm (C++), one linear over gate and up stacked, SiLU·up
-(C++), the down projection and the residual add. Linears go through `cpu_linear.PanelLinear` (one packed copy
+backend, the output projection, residual add + RMSNorm (C++), one linear over gate and up that computes
+SiLU·up in the same pass (C++; where the MLP's width is not a multiple of 16, stacked and then SiLU·up in a
+pass of its own), the down projection and the residual add. Linears go through `cpu_linear.PanelLinear` (one packed copy
 of the stacked weights, C++).
 
 Supported: transformers' Llama, Mistral and Qwen2 decoder layers with SiLU MLPs, fp32 on CPU; other layers
