@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import heapq
+import logging
 from typing import Any
 
 from jitney.cache.eviction import EvictionPolicy, MostRecentFirst
+
+log = logging.getLogger("jitney")
 
 
 class Block:
@@ -28,6 +31,10 @@ class BlockPool:
     hash are kept so a later request with the same prefix can take it back. Cached blocks count as
     available; when the free ones run out, the eviction policy picks which cached block is demoted (its hash
     dropped) and reused. The two reserved blocks are never allocated: padding tokens read and write there.
+
+    A policy that raises, or whose priorities do not compare, is replaced by the seed's rule (most recent
+    first) for the rest of the pool's life, with one error logged: which block is demoted never changes a
+    token, so no request needs to fail for it.
     """
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None):
@@ -72,7 +79,11 @@ class BlockPool:
 
     def _demote(self) -> int:
         while True:
-            _, _, block_id, version = heapq.heappop(self._heap)
+            try:
+                _, _, block_id, version = heapq.heappop(self._heap)
+            except TypeError as exc:  # priorities that do not compare
+                self._replace_policy(exc)
+                continue
             block = self.blocks[block_id]
             if block_id in self._cached and block.version == version:
                 break
@@ -109,10 +120,22 @@ class BlockPool:
                 self._free.append(block_id)
             else:
                 self._cached.add(block_id)
-                heapq.heappush(self._heap, (self.policy.priority(block), self.clock, block_id, block.version))
+                try:
+                    heapq.heappush(self._heap, (self.policy.priority(block), self.clock, block_id, block.version))
+                except Exception as exc:
+                    self._replace_policy(exc)
         if len(self._heap) > 4 * self.num_blocks:  # drop entries of blocks taken back since they were pushed
             self._heap = [e for e in self._heap if e[2] in self._cached and self.blocks[e[2]].version == e[3]]
             heapq.heapify(self._heap)
+
+    def _replace_policy(self, exc: Exception) -> None:
+        """Fall back to the seed's rule, every cached block ranked again by it."""
+        log.error("eviction policy %s failed: %s: %s; cached blocks are demoted most recent first from now on",
+                  type(self.policy).__name__, type(exc).__name__, exc, exc_info=exc)
+        self.policy = MostRecentFirst()
+        self._heap = [(self.policy.priority(self.blocks[b]), self.blocks[b].last_access, b, self.blocks[b].version)
+                      for b in self._cached]
+        heapq.heapify(self._heap)
 
     def register(self, block_id: int, content_hash: int) -> bool:
         """Record that a used block now holds the content `content_hash`; False if another block has it."""

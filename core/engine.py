@@ -7,6 +7,7 @@ import importlib.util
 import logging
 import math
 import time
+import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from jitney.cache.sizing import bytes_per_block, check_committable, solve_num_bl
 from jitney.core import events as ev
 from jitney.core.config import EngineConfig
 from jitney.core.executor import ForwardThread, PreparedStep, StepExecutor
+from jitney.core.faults import ErrorLog, PluginFault, batch_requests, check_batch, notify_observers
 from jitney.core.graphs import CudaGraphCapture, StaticDecoder, eager
 from jitney.core.hooks import make_plugin_manager, registry
 from jitney.core.models import load_model
@@ -67,8 +69,11 @@ class Engine:
         self._running = False
         self._task_group = None
         self._saved_attn = None
+        self._attn_bound = False
         self._cpu_paths: list = []
         self._forward: ForwardThread | None = None  # the one thread every forward runs on
+        self._loop_alive = False
+        self.errors = ErrorLog()  # plugins' failures, each distinct one logged once
         self.speculate = 0  # draft tokens a decode may get (`EngineConfig.speculative_tokens`), set once entered
 
     @classmethod
@@ -127,8 +132,24 @@ class Engine:
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     async def __aenter__(self) -> "Engine":
+        if getattr(self.model, "_jitney_engine", None) is not None:
+            raise RuntimeError(f"this {type(self.model).__name__} is already served by a running jitney engine: one "
+                               "engine per model object (exit the other first, or load the model again)")
+        self.model._jitney_engine = self
+        try:
+            await self._bind()
+            self.plugins.hook.jitney_engine_started(engine=self)
+        except BaseException:  # nothing stays bound: the model's attention, its weights, the forward thread
+            self._running = False
+            self._wake.set()
+            await self._unbind()
+            raise
+        return self
+
+    async def _bind(self) -> None:
         self._saved_attn = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_NAME)
+        self._attn_bound = True
         self._forward = ForwardThread(self.executor)
         # Packed on the thread that runs the forwards: weights packed on another thread made each step of
         # SmolLM2 at batch 1 ~30% slower (55 vs 42 ms).
@@ -142,9 +163,8 @@ class Engine:
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._running = True
+        self._loop_alive = True  # (from now: the loop task starts at the next await)
         self._task_group.start_soon(self._loop)
-        self.plugins.hook.jitney_engine_started(engine=self)
-        return self
 
     def _plan_speculation(self) -> int:
         """Draft tokens per decode (`EngineConfig.speculative_tokens`): where the one-call decoder runs decode
@@ -189,17 +209,39 @@ class Engine:
             self.abort(request_id)
         self._wake.set()
         try:
-            # The loop ends on its own now; the body's own exception (if any) propagates unchanged rather than
-            # wrapped in the task group's exception group.
-            await self._task_group.__aexit__(None, None, None)
+            await self._unbind()
         finally:
+            try:
+                self.plugins.hook.jitney_engine_stopped(engine=self)
+            except Exception as exc:
+                self.errors.report("an observer's jitney_engine_stopped", exc)
+
+    async def _unbind(self) -> None:
+        """Undo whatever `_bind` did, however far it got."""
+        try:
+            if self._task_group is not None:
+                # The loop ends on its own now; the body's own exception (if any) propagates unchanged rather
+                # than wrapped in the task group's exception group.
+                await self._task_group.__aexit__(None, None, None)
+        finally:
+            self._task_group = None
             self._flush_events()
-            self._forward.shutdown()
-            self.model.set_attn_implementation(self._saved_attn)
+            if self._forward is not None:
+                self._forward.shutdown()
+                self._forward = None
+            if self._attn_bound:
+                self.model.set_attn_implementation(self._saved_attn)
+                self._attn_bound = False
             self.executor.decoder = None
             for path in reversed(self._cpu_paths):
                 path.__exit__(None, None, None)
-            self.plugins.hook.jitney_engine_stopped(engine=self)
+            self._cpu_paths = []
+            self.model._jitney_engine = None
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the engine is entered and its step loop runs (what a server's /health reports)."""
+        return self._running and self._loop_alive
 
     # -- the public API --------------------------------------------------------------------------------------
 
@@ -207,8 +249,11 @@ class Engine:
         """Validate and queue a request; a bad request raises here, before anything is allocated."""
         if not self._running:
             raise RuntimeError("the engine is not running: use `async with engine:` first")
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request_id = request.request_id or uuid.uuid4().hex[:16]
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if request.params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to read the text; give the engine one, or use stop_token_ids")
         prompt_ids = self._encode(request.prompt)
         total = len(prompt_ids) + request.params.max_new_tokens
         if total > self.max_context:
@@ -216,18 +261,19 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({request.params.max_new_tokens}) exceeds "
                 f"the model's context of {self.max_context} tokens"
             )
-        if self.cache.blocks_needed(request.request_id, total) > self.cache.num_blocks:
+        if self.cache.blocks_needed(request_id, total) > self.cache.num_blocks:
             raise ValueError(
                 f"request needs {total} tokens of cache; the whole cache holds "
                 f"{self.cache.num_blocks * self.cache.block_size} (raise num_blocks or lower max_new_tokens)"
             )
         stop = _NO_STOPS if request.params.ignore_eos else (
             frozenset(request.params.stop_token_ids) if request.params.stop_token_ids else self.stop_ids)
-        seq = Sequence(request, prompt_ids, stop, self._arrivals)
+        seq = Sequence(request, prompt_ids, stop, self._arrivals, request_id=request_id)
         # Further samples wait on the first one and fork from it once the prompt is in the cache.
-        seq.forks = [Sequence(request, prompt_ids, stop, self._arrivals, seq.collector, i) for i in range(1, request.params.n)]
+        seq.forks = [Sequence(request, prompt_ids, stop, self._arrivals, seq.collector, i, request_id)
+                     for i in range(1, request.params.n)]
         self._arrivals += 1
-        self.requests[request.request_id] = seq.collector
+        self.requests[request_id] = seq.collector
         self.waiting.append(seq)
         self.events.append(ev.RequestQueued(t=seq.t_queued, request_id=seq.request_id,
                                              prompt_tokens=len(prompt_ids), max_new_tokens=request.params.max_new_tokens))
@@ -249,15 +295,22 @@ class Engine:
             return tokens.completion()
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request and return its blocks to the pool at once.
+        """Cancel a request (all its samples), or one sample by the id its events carry (``<id>#<i>`` for
+        sample i > 0), and return its blocks to the pool at once. False when nothing by that id is running.
 
         Safe while its forward runs: blocks are only handed out again when the next step is scheduled, after
         that forward has finished; its sampled token is then dropped.
         """
         collector = self.requests.get(request_id)
-        if collector is None:
-            return False
-        for seq in collector.samples:
+        if collector is not None:
+            samples = collector.samples
+        else:
+            parent, _, index = request_id.rpartition("#")
+            collector = self.requests.get(parent)
+            if collector is None or not index.isdigit() or not 0 < int(index) < len(collector.samples):
+                return False
+            samples = [collector.samples[int(index)]]
+        for seq in samples:
             if not seq.status.done:
                 self._finish(seq, "cancelled")
         return True
@@ -269,13 +322,27 @@ class Engine:
     # -- the step loop ---------------------------------------------------------------------------------------
 
     async def _loop(self) -> None:
-        while self._running or self.requests:
-            if not (self.waiting or self.active or self.preempter.offloaded):
-                self._flush_events()
-                await self._wake.wait()
-                self._wake = anyio.Event()
-                continue
-            await self._step()
+        try:
+            while self._running or self.requests:
+                if not (self.waiting or self.active or self.preempter.offloaded):
+                    self._flush_events()
+                    await self._wake.wait()
+                    self._wake = anyio.Event()
+                    continue
+                try:
+                    await self._step()
+                except Exception as exc:  # a bug of the engine's own: what was in flight fails, serving goes on
+                    log.exception("a step failed outside the forward pass")
+                    self._fail_all(f"internal error: {type(exc).__name__}: {exc}")
+                    await anyio.sleep(0)  # (a step that keeps failing still lets the event loop run)
+        finally:
+            self._loop_alive = False
+
+    def _fail_all(self, error: str) -> None:
+        for seq in [*self.active, *self.waiting, *self.preempter.offloaded]:
+            if not seq.status.done:
+                self._finish(seq, "error", error)
+        self._flush_events()
 
     async def _step(self) -> None:
         """Schedule a batch and run it. With async batching, while a step of decodes runs, the next one (the
@@ -284,7 +351,11 @@ class Engine:
         again (a request waits, or a row is not a plain decode)."""
         t0 = time.perf_counter()
         marks = (self.cache.blocks_demoted, self.preempter.total)
-        batch = self._schedule()
+        try:
+            batch = self._schedule()
+        except PluginFault as fault:
+            self._scheduler_failed(fault)
+            return
         entries = batch.entries
         admitted = {s.request_id for s, _ in entries if s.status is RequestStatus.PENDING}
         if admitted:
@@ -313,10 +384,13 @@ class Engine:
                 ahead = None
             chained = None if ahead is None else forward.then(running, ahead[1], ahead[2])
             try:
-                tokens, forward_s = await forward.wait(running)
+                tokens, forward_s, row_errors = await forward.wait(running)
             except Exception as exc:  # a failing forward fails its batch, not the engine
                 self._fail(entries, exc)
                 return
+            for i, why in row_errors.items():  # (its token, 0, is dropped: the request has ended)
+                if not entries[i][0].status.done:
+                    self._finish(entries[i][0], "error", why)
             if ahead is not None:
                 next_entries, prepared, rows = ahead
                 if chained is None:  # the step ended before the next one was ready: start it from here
@@ -406,11 +480,21 @@ class Engine:
         """Ask the scheduler for a batch, handling memory pressure: offloaded requests come back first when
         there is room; what the scheduler asks to preempt is preempted; if some active requests stalled, enough
         requests outside the batch are preempted that they can allocate next step; if nothing fits at all,
-        requests are preempted and the scheduler asked again, within this step."""
+        requests are preempted and the scheduler asked again, within this step.
+
+        Every retry preempts at least one active request and nothing comes back within the step (a request
+        offloaded here and resumed at once could be preempted again forever), so this ends; a batch the engine
+        cannot run raises `PluginFault` naming the scheduler."""
         pre = self.preempter
-        while True:
-            pre.resume()
-            batch = self.scheduler.schedule(self.waiting, self.active, self.cache)
+        pre.resume()
+        for _ in range(len(self.active) + 2):
+            try:
+                batch = self.scheduler.schedule(self.waiting, self.active, self.cache)
+            except Exception as exc:
+                raise self._scheduler_fault(f"{type(exc).__name__}: {exc}", exc) from exc
+            problems = check_batch(batch, self.waiting, self.active, self.config, self.cache)
+            if problems:
+                raise self._scheduler_fault(f"an invalid batch: {'; '.join(problems)}", batch=batch)
             if batch.preempt:
                 pre.preempt(batch.preempt)
                 continue
@@ -421,7 +505,24 @@ class Engine:
                 return batch
             if not pre.relieve(max(demand, 1), keep=set()):
                 # submit() refuses requests that cannot fit in the whole cache, so this is a scheduler bug
-                raise RuntimeError(f"scheduler {self.config.scheduler!r} returned an empty batch with work waiting")
+                raise self._scheduler_fault(f"an empty batch with {len(self.waiting)} requests waiting and "
+                                            f"{len(self.active)} active")
+        raise self._scheduler_fault("no runnable batch after preempting every request it asked for")
+
+    def _scheduler_fault(self, cause: str, exc: BaseException | None = None, batch=None) -> PluginFault:
+        fault = PluginFault(f"scheduler {self.config.scheduler!r} failed: {cause}")
+        fault.batch = batch  # type: ignore[attr-defined]
+        self.errors.report(f"scheduler {self.config.scheduler!r}", exc or fault)
+        return fault
+
+    def _scheduler_failed(self, fault: PluginFault) -> None:
+        """Fail the requests a faulty schedule concerned — those its batch named, else every request it was
+        given (it produced no step for them) — and free their cache; requests submitted later still run."""
+        failed = batch_requests(fault.batch) or [*self.active, *self.waiting]  # type: ignore[attr-defined]
+        for seq in failed:
+            if not seq.status.done:
+                self._finish(seq, "error", str(fault))
+        self._flush_events()
 
     def _apply(self, entries: list[tuple[Sequence, int]], tokens: list[list[int] | None]) -> None:
         # Once per token of every running request: kept to the objects a decode needs, and a decode's token
@@ -489,6 +590,8 @@ class Engine:
         if seq.forks:
             forks, seq.forks = seq.forks, []
             for child, tok in zip(forks, drawn[1:]):
+                if child.status.done:  # aborted on its own before its prompt was done
+                    continue
                 self._fork(seq, child)
                 self._first_token(child, now)
                 self._emit(child, tok, now)
@@ -554,11 +657,12 @@ class Engine:
             output_tokens=len(seq.output_ids), latency=now - seq.t_queued,
         ))
         for child in seq.forks:  # samples that never forked end with their parent
-            self._finish(child, reason, error)
+            if not child.status.done:
+                self._finish(child, reason, error)
         seq.forks = []
         seq.collector.end()
         if seq.collector.done:
-            self.requests.pop(seq.request.request_id, None)
+            self.requests.pop(seq.parent_id, None)
 
     def _flush_events(self) -> None:
         if not self.events:
@@ -566,11 +670,20 @@ class Engine:
         batch, self.events = self.events, []
         observe = getattr(self.scheduler, "on_events", None)
         if observe is not None:
-            observe(batch)
-        try:
-            self.plugins.hook.jitney_on_events(events=batch, engine=self)
-        except Exception:
-            log.exception("an observer of jitney_on_events failed")
+            try:
+                observe(batch)
+            except Exception as exc:  # its view of these requests is now unknown: they fail, others go on
+                self.errors.report(f"scheduler {self.config.scheduler!r} (on_events)", exc)
+                self._fail_named(batch, f"scheduler {self.config.scheduler!r} failed in on_events: "
+                                        f"{type(exc).__name__}: {exc}")
+        notify_observers(self.plugins, self.errors, batch, self)
+
+    def _fail_named(self, events: list[ev.Event], error: str) -> None:
+        """Fail the unfinished requests that `events` are about (their events go out with the next batch)."""
+        ids = {getattr(e, "request_id", None) for e in events}
+        for seq in [*self.active, *self.waiting, *self.preempter.offloaded]:
+            if seq.request_id in ids and not seq.status.done:
+                self._finish(seq, "error", error)
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -63,6 +63,7 @@ class StepExecutor:
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.compute_stream = torch.cuda.Stream(self.device) if cuda else None
         self.forward_s = 0.0  # time of the latest forward + sampling
+        self.row_errors: dict[int, str] = {}  # the latest forward's entries whose sampling failed, and why
 
     def prepare(self, entries: list[tuple[Sequence, int]], ahead: bool = False, speculate: int = 0) -> PreparedStep:
         """Build the step's input tensors, on the event loop's thread: after this, the forward reads nothing
@@ -179,6 +180,7 @@ class StepExecutor:
         one-call decoder; at once on other paths): see `ForwardThread`."""
         t0 = time.perf_counter()
         p = prepared
+        self.row_errors = {}
         stream = self.compute_stream
         if stream is not None:
             stream.wait_stream(self.copy_stream)
@@ -219,10 +221,14 @@ class StepExecutor:
         if p.sampled_entries:
             if len(p.params) > len(p.sampled_entries):  # forking rows draw several tokens from one row
                 logits = logits.repeat_interleave(torch.tensor(p.samples_per_entry, device=logits.device), dim=0)
-            tokens = sample(logits, p.params, p.generators, argmax)
+            tokens, errors = sample(logits, p.params, p.generators, argmax)
             start = 0
             for i, count in zip(p.sampled_entries, p.samples_per_entry):
                 result[i] = tokens[start : start + count]
+                if errors:
+                    why = next((errors[r] for r in range(start, start + count) if r in errors), None)
+                    if why is not None:
+                        self.row_errors[i] = why
                 start += count
 
 
@@ -234,7 +240,8 @@ class ForwardThread:
     once it has woken up (two thread wake-ups: ~1.2 ms between batch-1 steps of ~25–35 ms on this machine's
     VMs). The ended step's tokens are handed to the loop only once the next step has left Python: handed out
     at once, the loop's work on them held the GIL while the next step's Python start waited (0.6 ms between
-    steps, 0.25 ms as kept). A step's future gives ``(tokens per entry, seconds in the forward)``.
+    steps, 0.25 ms as kept). A step's future gives ``(tokens per entry, seconds in the forward, {entry: why}
+    for entries whose sampling failed)``.
     """
 
     def __init__(self, executor: StepExecutor):
@@ -285,7 +292,7 @@ class ForwardThread:
                 if token_ids is not None:
                     self.executor.set_tokens(prepared, token_ids)
                 tokens = self.executor.forward(prepared, started=hand_out)
-                result = (tokens, self.executor.forward_s)
+                result = (tokens, self.executor.forward_s, self.executor.row_errors)
             except BaseException as exc:  # the queued step (its batch fails too) does not run
                 hand_out()
                 with self._lock:

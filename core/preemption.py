@@ -51,15 +51,20 @@ class Preempter:
     def preempt(self, victims: list[Sequence]) -> None:
         cache = self.engine.cache
         # Sliding-window tables hold sentinels for blocks already given back; those requests soft reset.
-        room = self.backend.free_blocks() if self.backend is not None and not self._sliding else 0
+        room = 0
+        if self.backend is not None and not self._sliding:
+            room = self._call("free_blocks", lambda: int(self.backend.free_blocks()), 0)
         store = {}
         for seq in victims:
             held = cache.blocks_held(seq.request_id)
             if 0 < held <= room:
                 store[seq.request_id] = [cache.block_table(seq.request_id, g) for g in range(len(cache.groups))]
                 room -= held
-        if store:
-            self.engine.on_forward_thread(lambda: self.backend.store(cache, store))
+        if store and not self._call("store", lambda: self.engine.on_forward_thread(
+                lambda: self.backend.store(cache, store)) or True, False):
+            for request_id in store:  # whatever it kept is of no use: these requests soft reset instead
+                self._call("discard", lambda: self.backend.discard(request_id), None)
+            store = {}
         now = time.perf_counter()
         for seq in victims:
             self.total += 1
@@ -69,31 +74,51 @@ class Preempter:
                 bisect.insort(self.offloaded, seq, key=_by_arrival)
                 self.engine.events.append(ev.RequestOffloaded(t=now, request_id=seq.request_id, blocks=self._stored[seq.request_id]))
             else:
-                seq.num_computed = 0
-                seq.status = RequestStatus.PENDING
-                bisect.insort(self.engine.waiting, seq, key=_by_arrival)
-                self.engine.events.append(ev.RequestSoftReset(t=now, request_id=seq.request_id, tokens=seq.num_tokens))
+                self._soft_reset(seq, now)
             cache.release(seq.request_id)
 
     def resume(self) -> None:
-        """Bring offloaded requests back, oldest first, while the cache keeps a block to spare for each."""
+        """Bring offloaded requests back, oldest first, while the cache keeps a block to spare for each (none
+        needed when nothing else is active: the request then has the whole cache)."""
         cache = self.engine.cache
         while self.offloaded:
             seq = self.offloaded[0]
             blocks = self._stored[seq.request_id]
-            if cache.num_free_blocks < blocks + 1 or not cache.reserve(seq.request_id, blocks * cache.block_size):
+            spare = 1 if self.engine.active else 0
+            if cache.num_free_blocks < blocks + spare or not cache.reserve(seq.request_id, blocks * cache.block_size):
                 return
             self.offloaded.pop(0)
             del self._stored[seq.request_id]
             tables = [cache.block_table(seq.request_id, g) for g in range(len(cache.groups))]
-            self.engine.on_forward_thread(lambda: self.backend.load(cache, seq.request_id, tables))
+            now = time.perf_counter()
+            loaded = self._call("load", lambda: self.engine.on_forward_thread(
+                lambda: self.backend.load(cache, seq.request_id, tables)) or True, False)
+            if not loaded:  # its blocks hold nothing usable: it computes them again (its tokens are known)
+                cache.release(seq.request_id)
+                self._soft_reset(seq, now)
+                continue
             cache.commit(seq)  # its blocks are hashed anew (the engine hashes only as blocks complete)
             bisect.insort(self.engine.active, seq, key=_by_arrival)
-            self.engine.events.append(ev.RequestResumed(t=time.perf_counter(), request_id=seq.request_id, blocks=blocks))
+            self.engine.events.append(ev.RequestResumed(t=now, request_id=seq.request_id, blocks=blocks))
+
+    def _soft_reset(self, seq: Sequence, now: float) -> None:
+        seq.num_computed = 0
+        seq.status = RequestStatus.PENDING
+        bisect.insort(self.engine.waiting, seq, key=_by_arrival)
+        self.engine.events.append(ev.RequestSoftReset(t=now, request_id=seq.request_id, tokens=seq.num_tokens))
+
+    def _call(self, method: str, fn, default):
+        """`fn()`, one call into the offload backend; if it raises, the error is reported with the backend's
+        name and `default` returned: a broken backend costs recomputation (soft resets), never a request."""
+        try:
+            return fn()
+        except Exception as exc:
+            self.engine.errors.report(f"offload backend {self.engine.config.offload_backend!r} ({method})", exc)
+            return default
 
     def forget(self, seq: Sequence) -> None:
         """An offloaded request ended (aborted) before coming back."""
         if seq.request_id in self._stored:
             self.offloaded.remove(seq)
             del self._stored[seq.request_id]
-            self.backend.discard(seq.request_id)
+            self._call("discard", lambda: self.backend.discard(seq.request_id), None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-import uuid
+import math
 from dataclasses import dataclass, field
 
 import msgspec
@@ -14,6 +14,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     max_new_tokens: int = 64
     temperature: float = 0.0
+    """0 (or below `GREEDY_BELOW`, where a distribution scaled by it is one-hot in floating point) is greedy."""
     top_k: int = 0
     """Keep only the k most likely tokens (0 = all)."""
     top_p: float = 1.0
@@ -32,8 +33,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (got {self.temperature})")
+        if not 0 <= self.temperature < math.inf:  # (NaN fails this too)
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (got {self.temperature})")
         if self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be >= 0 (got {self.top_k})")
         if any(not s for s in self.stop):
@@ -45,7 +46,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
+
+
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily: logits divided by 1e-40 overflow float32 and the draw would be NaN;
+at such temperatures the distribution is the argmax anyway."""
 
 
 class Priority(enum.IntEnum):
@@ -62,12 +68,10 @@ class Request:
     prompt: str | list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str | None = None
+    """Your id for the request; `None`: the engine makes one at each submit (`TokenStream.request_id`,
+    `Completion.request_id`) and leaves this object as it is, so it can be submitted again."""
     priority: int = 0
     """Priority class: lower runs first where a scheduler honours it (`Priority.INTERACTIVE` = 0)."""
-
-    def __post_init__(self) -> None:
-        if self.request_id is None:
-            self.request_id = uuid.uuid4().hex[:16]
 
 
 class RequestStatus(enum.Enum):

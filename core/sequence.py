@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 import anyio
 import torch
@@ -64,16 +65,18 @@ class Sequence:
     __slots__ = (
         "request", "request_id", "params", "prompt_ids", "output_ids", "num_computed", "status", "arrival",
         "stop_ids", "generator", "finish_reason", "error", "collector", "index", "forks", "t_queued",
-        "t_first_token", "max_new_tokens", "stop_strings",
+        "t_first_token", "max_new_tokens", "stop_strings", "parent_id",
     )
 
     def __init__(
         self, request: Request, prompt_ids: list[int], stop_ids: frozenset[int], arrival: int,
-        collector: Collector | None = None, index: int = 0,
+        collector: Collector | None = None, index: int = 0, request_id: str | None = None,
     ):
         self.request = request
         self.index = index
-        self.request_id: str = request.request_id if index == 0 else f"{request.request_id}#{index}"  # type: ignore
+        # the id the engine gave the request (the caller's, or one made at submit: the `Request` is not written)
+        self.parent_id: str = request_id or request.request_id or uuid.uuid4().hex[:16]
+        self.request_id: str = self.parent_id if index == 0 else f"{self.parent_id}#{index}"
         self.params = request.params
         # read for every token: kept here so that a step does not touch the params
         self.max_new_tokens = self.params.max_new_tokens

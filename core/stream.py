@@ -18,14 +18,21 @@ class TokenStream:
     With ``n > 1`` the samples' tokens interleave; `Token.index` says which sample each belongs to. Leaving
     early — `break`, an exception, cancellation — aborts the request and frees its cache. A request that
     failed raises `RequestError` after the tokens it produced.
+
+    With stop strings, `Token.text` never shows a stop string or what follows it: text that could still
+    become one is held back and comes with a later token, so a finished sample's token texts add up to its
+    `completion().text`.
     """
 
     def __init__(self, engine: Engine, collector: Collector):
         self.engine = engine
         self.collector = collector
-        self.request_id: str = collector.samples[0].request.request_id  # type: ignore[assignment]
+        self.request_id: str = collector.samples[0].parent_id
         self._detok: dict[int, Detokenizer] = {}
+        self._texts: dict[int, _StopText] = {}
         self._buffer: list[tuple[int, int]] = []
+        self._stops = collector.samples[0].stop_strings  # (every sample has its request's)
+        self._last: dict[int, int] = {}  # sample -> its final token's place in the buffer, once it has ended
 
     @property
     def done(self) -> bool:
@@ -40,6 +47,8 @@ class TokenStream:
             while not self._buffer:
                 self._buffer = collector.take()
                 if self._buffer:
+                    if self._stops:
+                        self._mark_last()
                     break
                 if collector.done:
                     failed = [s for s in collector.samples if s.status is RequestStatus.FAILED]
@@ -53,7 +62,21 @@ class TokenStream:
             raise
         index, tok = self._buffer.pop(0)
         detok = self._detok.get(index) or self._detok.setdefault(index, Detokenizer(self.engine.tokenizer))
-        return Token(tok, detok.add(tok), index)
+        text = detok.add(tok)
+        if self._stops:
+            last = self._last.get(index) == 0
+            text = (self._texts.get(index) or self._texts.setdefault(index, _StopText(self._stops))).add(text, last)
+            for i in self._last:
+                self._last[i] -= 1
+        return Token(tok, text, index)
+
+    def _mark_last(self) -> None:
+        """Note where each ended sample's final token lies in the buffer just taken (its held-back text goes
+        out with it). The engine ends a sample in the step that hands out its last token, before waking us."""
+        self._last = {}
+        for pos, (index, _) in enumerate(self._buffer):
+            if self.collector.samples[index].status.done:
+                self._last[index] = pos
 
     async def __aenter__(self) -> "TokenStream":
         return self
@@ -80,3 +103,29 @@ class TokenStream:
             request_id=self.request_id, prompt=first.request.prompt, prompt_token_ids=first.prompt_ids,
             samples=samples, error=next((s.error for s in self.collector.samples if s.error), None),
         )
+
+
+class _StopText:
+    """One sample's streamed text cut at its first stop string: text that could still be the start of one is
+    held back until it cannot (or the sample ends)."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.holdback = max(map(len, stops)) - 1
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def add(self, piece: str, last: bool) -> str:
+        if self.stopped:
+            return ""
+        self.text += piece
+        # An occurrence starting before `sent` was complete when that text went out, and found then.
+        hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            end = min(hits)
+        else:
+            end = len(self.text) if last else max(self.sent, len(self.text) - self.holdback)
+        out, self.sent = self.text[self.sent : end], end
+        return out

@@ -15,13 +15,13 @@ from jitney.core.request import Priority, RequestStatus
 async def run_all(engine: Engine, requests: list[Request]):
     results = {}
 
-    async def one(req: Request) -> None:
-        results[req.request_id] = await engine.generate(req)
+    async def one(i: int, req: Request) -> None:
+        results[i] = await engine.generate(req)
 
     async with anyio.create_task_group() as tg:
-        for req in requests:
-            tg.start_soon(one, req)
-    return [results[r.request_id] for r in requests]
+        for i, req in enumerate(requests):
+            tg.start_soon(one, i, req)
+    return [results[i] for i in range(len(requests))]
 
 
 def greedy(prompt, n):
@@ -99,9 +99,9 @@ async def test_priority_preempts_background_work_and_background_still_finishes(l
         done = await run_all(engine, fg)
         assert engine.waiting or engine.active  # background work was still pending when interactive finished
         rest = [[t.token_id async for t in s] for s in streams]
-    bg_ids = {r.request_id for r in bg}
+    bg_ids = {s.request_id for s in streams}
     assert resets and set(resets) <= bg_ids
-    assert finished.index(fg[-1].request_id) < max(finished.index(i) for i in bg_ids)
+    assert finished.index(done[-1].request_id) < max(finished.index(i) for i in bg_ids)
     outputs = [[s.collector.samples[0].output_ids[0]] + r for s, r in zip(streams, rest)]
     assert outputs + [d.token_ids for d in done] == refs
 
@@ -150,12 +150,12 @@ async def test_abort_by_id(llama):
         req = greedy([4, 5, 6], 200)
         stream = engine.stream(req)
         await stream.__anext__()
-        assert engine.abort(req.request_id)
+        assert engine.abort(stream.request_id)
         _ = [t async for t in stream]
         done = stream.completion()
         assert done.finish_reason == "cancelled"
         assert len(done.token_ids) < 200
-        assert not engine.abort(req.request_id)  # already gone
+        assert not engine.abort(stream.request_id)  # already gone
 
 
 async def test_stop_token_ends_the_request(llama):

@@ -189,6 +189,7 @@ class FakeSteps:
         self.go = threading.Event()
         self.ran: list[list[int]] = []
         self.forward_s = 0.0
+        self.row_errors: dict[int, str] = {}
 
     def set_tokens(self, prepared, token_ids):
         prepared[:] = token_ids

@@ -31,13 +31,13 @@ def greedy(prompt, n):
 async def run_all(engine, requests):
     out = {}
 
-    async def one(req):
-        out[req.request_id] = await engine.generate(req)
+    async def one(i, req):
+        out[i] = await engine.generate(req)
 
     async with anyio.create_task_group() as tg:
-        for r in requests:
-            tg.start_soon(one, r)
-    return [out[r.request_id] for r in requests]
+        for i, r in enumerate(requests):
+            tg.start_soon(one, i, r)
+    return [out[i] for i in range(len(requests))]
 
 
 # 10 requests of up to 40 + 30 tokens in 24 blocks of 4: far less than they need together.
@@ -162,7 +162,7 @@ async def test_randomized_requests_and_cancellations_lose_nothing_and_leak_nothi
                     if stop_after is not None and len(stream.collector.samples[0].output_ids) >= stop_after:
                         break
             done = stream.completion()
-            outcome[req.request_id] = done.finish_reason
+            outcome[stream.request_id] = done.finish_reason
             if done.finish_reason == "length" and i % 50 == 0:
                 checked.append((prompt, done.token_ids))
 

@@ -32,15 +32,15 @@ class Steps:
 
 
 async def generate_all(engine: Engine, requests: list[Request]) -> list[list[int]]:
-    out: dict[str, list[int]] = {}
+    out: dict[int, list[int]] = {}
 
-    async def one(req: Request) -> None:
-        out[req.request_id] = (await engine.generate(req)).token_ids
+    async def one(i: int, req: Request) -> None:
+        out[i] = (await engine.generate(req)).token_ids
 
     async with anyio.create_task_group() as tg:
-        for req in requests:
-            tg.start_soon(one, req)
-    return [out[r.request_id] for r in requests]
+        for i, req in enumerate(requests):
+            tg.start_soon(one, i, req)
+    return [out[i] for i in range(len(requests))]
 
 
 def greedy(prompt, n, **kw):
