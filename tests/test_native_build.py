@@ -1,0 +1,109 @@
+"""Building the C++ CPU kernels: the build folder's lock and name (`kernels/native.py`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from jitney.kernels import native
+
+try:
+    import fcntl
+except ImportError:
+    fcntl = None
+
+needs_flock = pytest.mark.skipif(fcntl is None, reason="a stale lock is told apart through fcntl.flock")
+
+# written into the `lock` this test leaves, so that cleaning up never removes a live build's (torch's is empty)
+_PLANTED = "left by test_native_build"
+
+_HOLD_BUILD_LOCK = textwrap.dedent("""
+    import time
+    from jitney.kernels import native
+
+    build = native.build_dir()
+    build.mkdir(parents=True)
+    with native._build_lock(build, 0):  # what a jitney process building the kernels holds
+        print(build, flush=True)
+        time.sleep(300)
+""")
+
+_TIMED_LOAD = textwrap.dedent("""
+    import time
+    import torch
+    from jitney.kernels import native
+
+    start = time.monotonic()
+    print(native.available(), time.monotonic() - start)
+""")
+
+
+def _python(code: str, cwd, env=None, timeout: float = 180) -> subprocess.CompletedProcess:
+    # run away from the checkout's root, where its `kernels` folder would pass for a top-level package
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=True)
+
+
+@pytest.fixture
+def build():
+    """The real build folder, the kernels built in it (by `jitney setup` before the suite, else here)."""
+    if not native.available():
+        pytest.skip("the C++ kernels do not build here")
+    return native.build_dir()
+
+
+@needs_flock
+def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_engine(build, tmp_path):
+    lock = build / "lock"
+    lock.write_text(_PLANTED)  # what torch's loader leaves when its process is killed mid-build
+    try:
+        # torch alone waits on this file for ever: the timeout is what fails the test then
+        run = _python("from jitney.kernels import native; print(native.available())", cwd=tmp_path)
+        assert run.stdout.split() == ["True"], run.stderr
+        assert not lock.exists()
+    finally:
+        if lock.exists() and lock.read_text() == _PLANTED:
+            lock.unlink()
+
+
+@needs_flock
+def test_a_build_running_elsewhere_is_waited_for_within_a_bound_then_torch_is_used(tmp_path):
+    env = {**os.environ, "JITNEY_HOME": str(tmp_path / "home"), "JITNEY_KERNEL_BUILD_WAIT_S": "1"}
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_BUILD_LOCK], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        folder = holder.stdout.readline().strip()
+        assert folder, "the process holding the build lock did not start"
+        run = _python(_TIMED_LOAD, cwd=tmp_path, env=env)
+        available, seconds = run.stdout.split()
+        assert available == "False"
+        assert 1 <= float(seconds) < 15  # the bound, and slack for a busy machine; not a build (about a minute)
+        assert folder in run.stderr  # the warning says where the other build is
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="the stand-in compilers are shell scripts")
+def test_the_build_folder_changes_with_torch_and_the_compiler(monkeypatch, tmp_path):
+    def compiler(version: str) -> str:
+        path = tmp_path / f"c++-{version}"
+        path.write_text(f"#!/bin/sh\necho 'c++ {version}'\n")
+        path.chmod(0o755)
+        return str(path)
+
+    monkeypatch.setenv("CXX", compiler("12.2"))
+    first = native.build_dir()
+    assert native.build_dir() == first
+    monkeypatch.setenv("CXX", compiler("13.1"))
+    other_compiler = native.build_dir()
+    monkeypatch.setenv("CXX", compiler("12.2"))
+    monkeypatch.setattr(torch, "__version__", "9.9.0+cpu")
+    other_torch = native.build_dir()
+    assert len({first, other_compiler, other_torch}) == 3
+    assert first.parent == other_compiler.parent == other_torch.parent  # side by side in the jitney cache
