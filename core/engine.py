@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import importlib.util
 import logging
 import math
 import time
@@ -12,22 +11,19 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import anyio
-import torch
 
-from jitney.cache.manager import CacheManager, LayerGroup, on_huge_pages
-from jitney.cache.sizing import bytes_per_block, check_committable, solve_num_blocks, step_overhead_bytes
+from jitney.core import assembly
 from jitney.core import events as ev
 from jitney.core.config import EngineConfig
 from jitney.core.executor import ForwardThread, PreparedStep, StepExecutor
-from jitney.core.faults import ErrorLog, PluginFault, batch_requests, check_batch, notify_observers
-from jitney.core.graphs import CudaGraphCapture, StaticDecoder, eager
+from jitney.core.faults import ErrorLog, PluginFault, batch_requests, notify_observers
 from jitney.core.hooks import make_plugin_manager, registry
 from jitney.core.models import load_model
 from jitney.core.preemption import Preempter
 from jitney.core.request import Completion, Request, RequestStatus, cut_at_stop
 from jitney.core.sequence import Collector, Sequence
 from jitney.core.stream import TokenStream
-from jitney.kernels import cpu_layers, cpu_linear, native
+from jitney.kernels import cpu_layers
 from jitney.kernels.base import ATTN_NAME
 from jitney.kernels.cpu_paged import CpuPagedAttention
 
@@ -50,12 +46,15 @@ class Engine:
         self.max_context = getattr(mc, "max_position_embeddings", None) or math.inf
         self.vocab_size = mc.vocab_size
         param = next(model.parameters())
-        backend_name = config.attention_backend or _default_attention(param)
+        backend_name = config.attention_backend or assembly.default_attention(param)
         backend = registry(self.plugins, "attention backend").create(backend_name, param.device)
-        self.cache = self._build_cache(mc, param.dtype, param.device)
+        eviction = registry(self.plugins, "eviction policy").create(config.eviction, config)
+        self.cache = assembly.build_cache(config, mc, param.dtype, param.device, self.max_context, eviction)
         self.executor = StepExecutor(model, self.cache, backend)
-        self.executor.static, self.async_batching = self._plan_static_steps(backend, param.device)
-        self.stop_ids = frozenset(_stop_ids(model, tokenizer))  # one set shared by the requests that use it (stays cached)
+        self.executor.static, self.async_batching = assembly.plan_static_steps(
+            config, model, self.cache, backend, self.executor.compute_stream, param.device)
+        # one set shared by the requests that use it (stays cached)
+        self.stop_ids = frozenset(assembly.stop_ids(model, tokenizer))
         offload = registry(self.plugins, "offload backend").create(config.offload_backend, config, self.cache)
         self.preempter = Preempter(self, offload)
         self.waiting: list[Sequence] = []
@@ -82,53 +81,6 @@ class Engine:
         model, tokenizer = load_model(model, tokenizer)
         return cls(model, tokenizer, config, plugins)
 
-    def _build_cache(self, mc, dtype: torch.dtype, device: torch.device) -> CacheManager:
-        cfg = self.config
-        heads = mc.num_attention_heads
-        kv_heads = getattr(mc, "num_key_value_heads", None) or heads
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
-        layers = mc.num_hidden_layers
-        num_blocks = cfg.num_blocks
-        per_block = bytes_per_block(layers, cfg.block_size, kv_heads, head_dim, dtype)
-        if num_blocks is None:
-            overhead = step_overhead_bytes(
-                cfg.max_batch_tokens, cfg.max_requests_per_batch, mc.hidden_size,
-                getattr(mc, "intermediate_size", 4 * mc.hidden_size), mc.vocab_size, heads, dtype,
-            )
-            most_useful = None
-            if self.max_context != math.inf:
-                most_useful = cfg.max_requests_per_batch * -(-int(self.max_context) // cfg.block_size)
-            num_blocks = solve_num_blocks(per_block, overhead, cfg.max_memory_percent, device, most_useful)
-        commit = cfg.commit_cache if cfg.commit_cache is not None else cfg.num_blocks is not None
-        commit = commit and on_huge_pages(device)  # where the storage can commit its pages at all
-        if commit:
-            check_committable(per_block, num_blocks, device)
-        eviction = registry(self.plugins, "eviction policy").create(cfg.eviction, cfg)
-        return CacheManager(layers, kv_heads, head_dim, cfg.block_size, num_blocks, dtype, device, groups=_layer_groups(mc),
-                            prefix_caching=cfg.allow_block_sharing, eviction=eviction, commit_pages=commit)
-
-    def _plan_static_steps(self, backend, device: torch.device) -> tuple[StaticDecoder | None, bool]:
-        """CUDA graphs (auto: on where the device is CUDA and the backend has static steps), padded decode
-        steps (with graphs; or, anywhere, when a padding interval is set), and async batching (auto: with
-        graphs)."""
-        cfg = self.config
-        able = device.type == "cuda" and getattr(backend, "static_steps", False)
-        if cfg.use_cuda_graph and not able:
-            raise ValueError(
-                f"use_cuda_graph needs a CUDA device and an attention backend with static steps "
-                f"(device {device.type}, backend {type(backend).__name__})"
-            )
-        graphs = able if cfg.use_cuda_graph is None else cfg.use_cuda_graph
-        q = cfg.q_padding_interval_size or (8 if graphs else 0)
-        kv = cfg.kv_padding_interval_size or (256 if graphs else 0)
-        static = None
-        if graphs or q or kv:
-            if not getattr(backend, "static_steps", False):
-                raise ValueError(f"padded decode steps need an attention backend with static steps, not {type(backend).__name__}")
-            capture = CudaGraphCapture(self.executor.compute_stream) if graphs else eager
-            static = StaticDecoder(self.model, self.cache, backend, q, kv, capture)
-        return static, graphs if cfg.use_async_batching is None else cfg.use_async_batching
-
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     async def __aenter__(self) -> "Engine":
@@ -153,7 +105,7 @@ class Engine:
         self._forward = ForwardThread(self.executor)
         # Packed on the thread that runs the forwards: weights packed on another thread made each step of
         # SmolLM2 at batch 1 ~30% slower (55 vs 42 ms).
-        self._cpu_paths = self._forward.pool.submit(self._enter_cpu_paths).result()
+        self._cpu_paths = self._forward.pool.submit(assembly.enter_cpu_paths, self.config, self.model).result()
         fused = next((p for p in self._cpu_paths if isinstance(p, cpu_layers.FusedLayers)), None)
         if fused is not None and type(self.executor.backend) is CpuPagedAttention:  # the kernel the decoder runs
             self.executor.decoder = fused.decoder
@@ -178,22 +130,6 @@ class Engine:
         if k is None:
             k = 0 if self.async_batching else 4
         return k if able else 0
-
-    def _enter_cpu_paths(self) -> list:
-        """Packed linears and fused decoder layers, where configured and possible (see `EngineConfig`)."""
-        on_cpu = next(self.model.parameters()).device.type == "cpu"
-        pack = self.config.pack_cpu_weights
-        if pack is None:
-            pack = on_cpu and cpu_linear.available()
-        fuse = self.config.fuse_cpu_layers
-        if fuse is None:
-            fuse = pack and native.available()
-        paths = []
-        if fuse:
-            paths.append(cpu_layers.FusedLayers(self.model).__enter__())
-        if pack:
-            paths.append(cpu_linear.PackedLinears(self.model, skip=paths[0].linears if fuse else frozenset()).__enter__())
-        return paths
 
     def on_forward_thread(self, fn):
         """Run `fn` (torch work on the cache: swap copies) on the forward thread and wait for it. Parallel torch
@@ -477,48 +413,12 @@ class Engine:
         self._flush_events()
 
     def _schedule(self) -> Batch:
-        """Ask the scheduler for a batch, handling memory pressure: offloaded requests come back first when
-        there is room; what the scheduler asks to preempt is preempted; if some active requests stalled, enough
-        requests outside the batch are preempted that they can allocate next step; if nothing fits at all,
-        requests are preempted and the scheduler asked again, within this step.
-
-        Every retry preempts at least one active request and nothing comes back within the step (a request
-        offloaded here and resumed at once could be preempted again forever), so this ends; a batch the engine
-        cannot run raises `PluginFault` naming the scheduler."""
-        pre = self.preempter
-        pre.resume()
-        for _ in range(len(self.active) + 2):
-            try:
-                batch = self.scheduler.schedule(self.waiting, self.active, self.cache)
-            except Exception as exc:
-                raise self._scheduler_fault(f"{type(exc).__name__}: {exc}", exc) from exc
-            problems = check_batch(batch, self.waiting, self.active, self.config, self.cache)
-            if problems:
-                raise self._scheduler_fault(f"an invalid batch: {'; '.join(problems)}", batch=batch)
-            if batch.preempt:
-                pre.preempt(batch.preempt)
-                continue
-            demand = sum(need for _, need in batch.stalled)
-            if batch.entries:
-                if demand:
-                    pre.relieve(demand, keep={s.request_id for s, _ in batch.entries})
-                return batch
-            if not pre.relieve(max(demand, 1), keep=set()):
-                # submit() refuses requests that cannot fit in the whole cache, so this is a scheduler bug
-                raise self._scheduler_fault(f"an empty batch with {len(self.waiting)} requests waiting and "
-                                            f"{len(self.active)} active")
-        raise self._scheduler_fault("no runnable batch after preempting every request it asked for")
-
-    def _scheduler_fault(self, cause: str, exc: BaseException | None = None, batch=None) -> PluginFault:
-        fault = PluginFault(f"scheduler {self.config.scheduler!r} failed: {cause}")
-        fault.batch = batch  # type: ignore[attr-defined]
-        self.errors.report(f"scheduler {self.config.scheduler!r}", exc or fault)
-        return fault
+        return self.preempter.schedule(self.scheduler, self.config.scheduler)
 
     def _scheduler_failed(self, fault: PluginFault) -> None:
         """Fail the requests a faulty schedule concerned — those its batch named, else every request it was
         given (it produced no step for them) — and free their cache; requests submitted later still run."""
-        failed = batch_requests(fault.batch) or [*self.active, *self.waiting]  # type: ignore[attr-defined]
+        failed = batch_requests(fault.batch) or [*self.active, *self.waiting]
         for seq in failed:
             if not seq.status.done:
                 self._finish(seq, "error", str(fault))
@@ -704,45 +604,3 @@ class Engine:
 
 
 _NO_STOPS: frozenset[int] = frozenset()
-
-
-def _default_attention(param: torch.Tensor) -> str:
-    """Triton's kernels on CUDA when Triton is installed; for fp32 on CPU the C++ kernel where it builds;
-    the torch reference elsewhere."""
-    if param.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
-        return "triton"
-    if param.device.type == "cpu" and param.dtype == torch.float32 and native.available():
-        return "cpu"
-    return "torch"
-
-
-def _layer_groups(mc) -> list[LayerGroup]:
-    """Full-attention layers in one group, sliding-window layers in another (per `layer_types`, else the
-    config's `sliding_window` for every layer)."""
-    layers = mc.num_hidden_layers
-    window = getattr(mc, "sliding_window", None)
-    types = getattr(mc, "layer_types", None)
-    if not types:
-        sliding = window is not None and getattr(mc, "use_sliding_window", True)
-        types = ["sliding_attention" if sliding else "full_attention"] * layers
-    unknown = set(types) - {"full_attention", "sliding_attention"}
-    if unknown:
-        raise NotImplementedError(f"jitney does not support {', '.join(sorted(unknown))} layers yet")
-    groups = []
-    for kind, name, w in (("full_attention", "full", None), ("sliding_attention", "sliding", window)):
-        members = tuple(i for i, t in enumerate(types) if t == kind)
-        if members:
-            groups.append(LayerGroup(name, members, w))
-    return groups
-
-
-def _stop_ids(model, tokenizer) -> tuple[int, ...]:
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

@@ -12,13 +12,18 @@ if TYPE_CHECKING:
     import pluggy
 
     from jitney.core.config import EngineConfig
-    from jitney.schedulers.base import Batch, CacheView
+    from jitney.schedulers.base import CacheView
 
 log = logging.getLogger("jitney")
 
 
 class PluginFault(Exception):
-    """A plugin raised or broke its contract; the message names the plugin and the cause."""
+    """A plugin raised or broke its contract; the message names the plugin and the cause. `batch`: the
+    scheduler's batch, where it returned one (its requests fail with it)."""
+
+    def __init__(self, message: str, batch: Any = None):
+        super().__init__(message)
+        self.batch = batch
 
 
 class ErrorLog:

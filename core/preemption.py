@@ -7,12 +7,14 @@ import time
 from typing import TYPE_CHECKING
 
 from jitney.core import events as ev
+from jitney.core.faults import PluginFault, check_batch
 from jitney.core.request import RequestStatus
 from jitney.core.sequence import Sequence
 
 if TYPE_CHECKING:
     from jitney.cache.offload import OffloadBackend
     from jitney.core.engine import Engine
+    from jitney.schedulers.base import Batch, Scheduler
 
 
 def _by_arrival(seq: Sequence) -> int:
@@ -33,6 +35,44 @@ class Preempter:
         self._stored: dict[str, int] = {}  # request id -> blocks held in the backend
         self.total = 0  # preemptions since the engine started
         self._sliding = any(g.window is not None for g in engine.cache.groups)
+
+    def schedule(self, scheduler: Scheduler, name: str) -> Batch:
+        """Ask `scheduler` for a batch, handling memory pressure: offloaded requests come back first when there
+        is room; what the scheduler asks to preempt is preempted; if some active requests stalled, enough
+        requests outside the batch are preempted that they can allocate next step; if nothing fits at all,
+        requests are preempted and the scheduler asked again, within this step.
+
+        Every retry preempts at least one active request and nothing comes back within the step (a request
+        offloaded here and resumed at once could be preempted again forever), so this ends; a scheduler that
+        raises or returns a batch the engine cannot run raises `PluginFault` naming it (`name`)."""
+        engine = self.engine
+        self.resume()
+        for _ in range(len(engine.active) + 2):
+            try:
+                batch = scheduler.schedule(engine.waiting, engine.active, engine.cache)
+            except Exception as exc:
+                raise self._fault(name, f"{type(exc).__name__}: {exc}", exc) from exc
+            problems = check_batch(batch, engine.waiting, engine.active, engine.config, engine.cache)
+            if problems:
+                raise self._fault(name, f"an invalid batch: {'; '.join(problems)}", batch=batch)
+            if batch.preempt:
+                self.preempt(batch.preempt)
+                continue
+            demand = sum(need for _, need in batch.stalled)
+            if batch.entries:
+                if demand:
+                    self.relieve(demand, keep={s.request_id for s, _ in batch.entries})
+                return batch
+            if not self.relieve(max(demand, 1), keep=set()):
+                # submit() refuses requests that cannot fit in the whole cache, so this is a scheduler bug
+                raise self._fault(name, f"an empty batch with {len(engine.waiting)} requests waiting and "
+                                        f"{len(engine.active)} active")
+        raise self._fault(name, "no runnable batch after preempting every request it asked for")
+
+    def _fault(self, name: str, cause: str, exc: BaseException | None = None, batch=None) -> PluginFault:
+        fault = PluginFault(f"scheduler {name!r} failed: {cause}", batch)
+        self.engine.errors.report(f"scheduler {name!r}", exc or fault)
+        return fault
 
     def relieve(self, demand: int, keep: set[str]) -> bool:
         """Preempt the newest active requests outside `keep` until `demand` blocks are freed (or only one

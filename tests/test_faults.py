@@ -11,7 +11,6 @@ import pytest
 from support import reference, tiny_llama
 
 from jitney import Engine, EngineConfig, Request, RequestError, SamplingParams
-from jitney.cache.eviction import MostRecentFirst
 from jitney.cache.offload import CpuSwapPool
 from jitney.core import events as ev
 from jitney.core import sampling
@@ -415,7 +414,7 @@ async def test_a_request_object_is_not_written_and_can_be_submitted_again(llama)
     async with Engine(llama, config=EngineConfig(num_blocks=32)) as engine:
         a, b = engine.stream(req), engine.stream(req)  # the same object twice, at once
         assert a.request_id != b.request_id
-        outs = [[t.token_id async for t in s] for s in (a, b)]
+        outs = [[t.token_id async for t in a], [t.token_id async for t in b]]
     assert req.request_id is None
     assert outs[0] == outs[1] == reference(llama, [4, 5, 6], 6)
 
@@ -435,7 +434,6 @@ async def test_abort_takes_the_ids_that_events_carry_for_samples(llama):
             if "r#1" in ids:
                 assert engine.abort("r#1")
                 break
-        stream = stream  # the others go on
         rest = [t async for t in stream]
         done = stream.completion()
         assert not engine.abort("r#7") and not engine.abort("r#x")

@@ -1,0 +1,130 @@
+"""How an engine is put together from its config: the attention backend, the cache, padded steps, the CPU's
+packed and fused paths, and the model's stop tokens. Each is decided once, when the engine is built or entered."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+
+from jitney.cache.manager import CacheManager, LayerGroup, on_huge_pages
+from jitney.cache.sizing import bytes_per_block, check_committable, solve_num_blocks, step_overhead_bytes
+from jitney.core.config import EngineConfig
+from jitney.core.graphs import CudaGraphCapture, StaticDecoder, eager
+from jitney.kernels import cpu_layers, cpu_linear, native
+
+
+def default_attention(param: torch.Tensor) -> str:
+    """Triton's kernels on CUDA when Triton is installed; for fp32 on CPU the C++ kernel where it builds;
+    the torch reference elsewhere."""
+    if param.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    if param.device.type == "cpu" and param.dtype == torch.float32 and native.available():
+        return "cpu"
+    return "torch"
+
+
+def build_cache(cfg: EngineConfig, mc, dtype: torch.dtype, device: torch.device, max_context: float,
+                eviction) -> CacheManager:
+    """The paged KV cache for the model config `mc`: `num_blocks` as given, else solved from free memory."""
+    heads = mc.num_attention_heads
+    kv_heads = getattr(mc, "num_key_value_heads", None) or heads
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
+    layers = mc.num_hidden_layers
+    num_blocks = cfg.num_blocks
+    per_block = bytes_per_block(layers, cfg.block_size, kv_heads, head_dim, dtype)
+    if num_blocks is None:
+        overhead = step_overhead_bytes(
+            cfg.max_batch_tokens, cfg.max_requests_per_batch, mc.hidden_size,
+            getattr(mc, "intermediate_size", 4 * mc.hidden_size), mc.vocab_size, heads, dtype,
+        )
+        most_useful = None
+        if max_context != math.inf:
+            most_useful = cfg.max_requests_per_batch * -(-int(max_context) // cfg.block_size)
+        num_blocks = solve_num_blocks(per_block, overhead, cfg.max_memory_percent, device, most_useful)
+    commit = cfg.commit_cache if cfg.commit_cache is not None else cfg.num_blocks is not None
+    commit = commit and on_huge_pages(device)  # where the storage can commit its pages at all
+    if commit:
+        check_committable(per_block, num_blocks, device)
+    return CacheManager(layers, kv_heads, head_dim, cfg.block_size, num_blocks, dtype, device, groups=layer_groups(mc),
+                        prefix_caching=cfg.allow_block_sharing, eviction=eviction, commit_pages=commit)
+
+
+def plan_static_steps(cfg: EngineConfig, model, cache: CacheManager, backend, compute_stream,
+                      device: torch.device) -> tuple[StaticDecoder | None, bool]:
+    """CUDA graphs (auto: on where the device is CUDA and the backend has static steps), padded decode
+    steps (with graphs; or, anywhere, when a padding interval is set), and async batching (auto: with
+    graphs)."""
+    able = device.type == "cuda" and getattr(backend, "static_steps", False)
+    if cfg.use_cuda_graph and not able:
+        raise ValueError(
+            f"use_cuda_graph needs a CUDA device and an attention backend with static steps "
+            f"(device {device.type}, backend {type(backend).__name__})"
+        )
+    graphs = able if cfg.use_cuda_graph is None else cfg.use_cuda_graph
+    q = cfg.q_padding_interval_size or (8 if graphs else 0)
+    kv = cfg.kv_padding_interval_size or (256 if graphs else 0)
+    static = None
+    if graphs or q or kv:
+        if not getattr(backend, "static_steps", False):
+            raise ValueError(f"padded decode steps need an attention backend with static steps, not {type(backend).__name__}")
+        capture = CudaGraphCapture(compute_stream) if graphs else eager
+        static = StaticDecoder(model, cache, backend, q, kv, capture)
+    return static, graphs if cfg.use_async_batching is None else cfg.use_async_batching
+
+
+def enter_cpu_paths(cfg: EngineConfig, model) -> list:
+    """Packed linears and fused decoder layers, where configured and possible (see `EngineConfig`), entered;
+    the caller exits them in reverse order. If one fails to enter, those already entered are exited."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    pack = cfg.pack_cpu_weights
+    if pack is None:
+        pack = on_cpu and cpu_linear.available()
+    fuse = cfg.fuse_cpu_layers
+    if fuse is None:
+        fuse = pack and native.available()
+    paths: list = []
+    try:
+        if fuse:
+            paths.append(cpu_layers.FusedLayers(model).__enter__())
+        if pack:
+            paths.append(cpu_linear.PackedLinears(model, skip=paths[0].linears if fuse else frozenset()).__enter__())
+    except BaseException:
+        for path in reversed(paths):
+            path.__exit__(None, None, None)
+        raise
+    return paths
+
+
+def layer_groups(mc) -> list[LayerGroup]:
+    """Full-attention layers in one group, sliding-window layers in another (per `layer_types`, else the
+    config's `sliding_window` for every layer)."""
+    layers = mc.num_hidden_layers
+    window = getattr(mc, "sliding_window", None)
+    types = getattr(mc, "layer_types", None)
+    if not types:
+        sliding = window is not None and getattr(mc, "use_sliding_window", True)
+        types = ["sliding_attention" if sliding else "full_attention"] * layers
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise NotImplementedError(f"jitney does not support {', '.join(sorted(unknown))} layers yet")
+    groups = []
+    for kind, name, w in (("full_attention", "full", None), ("sliding_attention", "sliding", window)):
+        members = tuple(i for i, t in enumerate(types) if t == kind)
+        if members:
+            groups.append(LayerGroup(name, members, w))
+    return groups
+
+
+def stop_ids(model, tokenizer) -> tuple[int, ...]:
+    """The model's end-of-sequence tokens (generation config, model config, else the tokenizer's)."""
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
