@@ -51,7 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = EngineConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
                           cpu_offload_space=args.cpu_offload_space, speculative_tokens=args.speculative_tokens)
-    serve(args.model, args.host, args.port, args.api_key, args.max_waiting, config)
+    serve(args.model, args.host, args.port, args.api_key, args.max_waiting, config, max_n=args.max_n)
     return 0
 
 
@@ -59,6 +59,12 @@ def _bench_online(args: argparse.Namespace) -> int:
     from jitney.bench.online import main as online_main
 
     return online_main(args)
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from jitney.bench.soak import main as soak_main
+
+    return soak_main(args)
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -103,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--model", default="smollm2", help='a local checkpoint directory, or "smollm2" (default)')
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every endpoint but /health")
-    srv.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond this get 429 at once")
+    srv.add_argument("--api-key", default=None,
+                     help="require `Authorization: Bearer KEY` on every endpoint but /health and /openapi.json")
+    srv.add_argument("--max-waiting", type=int, default=256,
+                     help="queued samples (a request counts its n) beyond this get 429 at once")
+    srv.add_argument("--max-n", type=int, default=16, help="the most samples (n) one request may ask for")
     srv.add_argument("--max-batch-tokens", type=int, default=256)
     srv.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from free memory)")
     srv.add_argument("--cpu-offload-space", type=float, default=1.0, help="GiB of swap pool for preempted requests")
@@ -116,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_online_arguments(online)
     online.set_defaults(func=_bench_online)
+
+    soak = sub.add_parser("soak", help="many streaming clients against a server, some leaving mid-stream; then "
+                                       "whether it came back to its baseline")
+    from jitney.bench.soak import add_arguments as add_soak_arguments
+
+    add_soak_arguments(soak)
+    soak.set_defaults(func=_soak)
 
     plugins = sub.add_parser("plugins", help="list every registered plugin by role, with the package providing it")
     plugins.set_defaults(func=_plugins)

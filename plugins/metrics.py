@@ -43,9 +43,6 @@ class PrometheusMetrics:
                 self._last[e.request_id] = e.t
                 self.generated.inc(e.tokens)
             elif isinstance(e, ev.StepCompleted):
-                self.running.set(e.running)
-                self.waiting.set(e.waiting)
-                self.kv_usage.set(1 - e.free_blocks / e.total_blocks)
                 self.preemptions.inc(e.preemptions)
                 self.prefix_queries.inc(e.prefix_query_tokens)
                 self.prefix_hits.inc(e.prefix_hit_tokens)
@@ -66,6 +63,11 @@ class PrometheusMetrics:
                 self.finished.labels(e.finish_reason).inc()
                 self._last.pop(e.request_id, None)
                 self._queued.pop(e.request_id, None)
+        if engine is not None:  # (requests also end between steps, aborted: the gauges follow them there too)
+            cache = engine.cache
+            self.running.set(len(engine.active))
+            self.waiting.set(len(engine.waiting))
+            self.kv_usage.set(1 - cache.num_free_blocks / cache.num_blocks)
 
     def render(self) -> bytes:
         """The registry in Prometheus' text format."""

@@ -1,190 +1,314 @@
-"""The Starlette application: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+"""The Starlette application: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /openapi.json."""
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 import uuid
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
+import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from jitney.core.engine import Engine
-from jitney.core.request import Request, cut_at_stop
+from jitney.core.request import Completion, Request, RequestError
+from jitney.core.stream import TokenStream
 from jitney.plugins.metrics import PrometheusMetrics
-from jitney.serve.protocol import ApiError, ChatBody, CompletionBody, parse, sampling
+from jitney.serve import protocol as p
+from jitney.serve.http import BearerAuth, json_response, read_body, unless_disconnected
+from jitney.serve.openapi import openapi
+from jitney.serve.protocol import ApiError, parse, sampling
+
+log = logging.getLogger("jitney.serve")
+
+PUBLIC_PATHS = ("/health", "/openapi.json")
 
 
 def build_app(
     engine: Engine, model_name: str, metrics: PrometheusMetrics, api_key: str | None = None, max_waiting: int = 256,
-    max_body_bytes: int = 1 << 20,
+    max_body_bytes: int = 1 << 20, max_n: int = 16, max_tokens: int | None = None,
 ) -> Starlette:
-    """An app serving `engine` under `model_name`; the engine runs for the app's lifetime."""
+    """An app serving `engine` under `model_name`; the engine runs for the app's lifetime.
 
-    async def guard(request: HttpRequest, kind):
-        """Authorization, body size, overload and model checks shared by both generation endpoints."""
-        if int(request.headers.get("content-length") or 0) > max_body_bytes:
-            raise ApiError(413, f"request body over {max_body_bytes} bytes")
-        raw = await request.body()
-        if len(raw) > max_body_bytes:
-            raise ApiError(413, f"request body over {max_body_bytes} bytes")
-        body = parse(raw, kind)
-        if body.model != model_name:
-            raise ApiError(404, f"model {body.model!r} does not exist; this server has {model_name!r}",
-                           param="model", kind="model_not_found")
-        if len(engine.waiting) >= max_waiting:
-            raise ApiError(429, f"the server is at capacity ({max_waiting} requests waiting); retry later",
-                           kind="rate_limit_exceeded")
-        return body
-
-    def submit(prompt, params) -> tuple[Request, object]:
-        req = Request(prompt, params, request_id=f"cmpl-{uuid.uuid4().hex[:20]}")
-        try:
-            return req, engine.stream(req)
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
-
-    async def completions(request: HttpRequest) -> Response:
-        body = await guard(request, CompletionBody)
-        if body.prompt in ("", []):
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        params = sampling(body, body.max_tokens, 16)
-        req, stream = submit(body.prompt, params)
-        return await respond(body, req, stream, chat=False)
-
-    async def chat(request: HttpRequest) -> Response:
-        body = await guard(request, ChatBody)
-        if not body.messages:
-            raise ApiError(400, "messages must not be empty", param="messages")
-        tok = engine.tokenizer
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        try:
-            ids = list(tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
-        except Exception as exc:  # the template's own message (e.g. roles out of order)
-            raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling(body, limit, max(1, min(1024, engine.max_context - len(ids))))
-        req, stream = submit(ids, params)
-        return await respond(body, req, stream, chat=True)
-
-    async def respond(body, req: Request, stream, chat: bool) -> Response:
-        kind = "chat.completion" if chat else "text_completion"
-        created = int(time.time())
-        if not body.stream:
-            async with stream:
-                async for _ in stream:
-                    pass
-            done = stream.completion()
-            choices = [
-                {"index": s.index, "finish_reason": _reason(s.finish_reason), "logprobs": None,
-                 **({"message": {"role": "assistant", "content": s.text}} if chat else {"text": s.text})}
-                for s in done.samples
-            ]
-            return JSONResponse({"id": req.request_id, "object": kind, "created": created, "model": model_name,
-                                 "choices": choices, "usage": _usage(done)})
-
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        holdback = max(map(len, req.params.stop), default=1) - 1  # text that could still become a stop string
-
-        def chunk(choices, usage=None) -> bytes:
-            payload = {"id": req.request_id, "object": f"{kind}.chunk" if chat else kind, "created": created,
-                       "model": model_name, "choices": choices}
-            if usage is not None:
-                payload["usage"] = usage
-            return b"data: " + msgspec.json.encode(payload) + b"\n\n"
-
-        def piece(index: int, text: str, finish: str | None = None) -> dict:
-            if chat:
-                return {"index": index, "delta": {"content": text} if text or finish is None else {}, "finish_reason": finish}
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-
-        async def events():
-            texts, sent = {}, {}
-            async with stream:
-                if chat:
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                                 for i in range(req.params.n)])
-                async for token in stream:
-                    i = token.index
-                    texts[i] = texts.get(i, "") + token.text
-                    visible = cut_at_stop(texts[i], req.params.stop)[0]
-                    end = max(sent.get(i, 0), len(visible) - holdback)
-                    if end > sent.get(i, 0):
-                        yield chunk([piece(i, visible[sent.get(i, 0) : end])])
-                        sent[i] = end
-                done = stream.completion()
-            for s in done.samples:
-                yield chunk([piece(s.index, s.text[sent.get(s.index, 0) :], _reason(s.finish_reason))])
-            if include_usage:
-                yield chunk([], _usage(done))
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    async def models(request: HttpRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jitney"}]})
-
-    async def health(request: HttpRequest) -> Response:
-        return JSONResponse({"status": "ok"})
-
-    async def prometheus(request: HttpRequest) -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    async def api_error(request: HttpRequest, exc: ApiError) -> Response:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    async def http_error(request: HttpRequest, exc) -> Response:
-        return JSONResponse(ApiError(exc.status_code, exc.detail).body(), status_code=exc.status_code)
-
-    @asynccontextmanager
-    async def lifespan(app):
-        async with engine:
-            yield
-
-    class BearerAuth:
-        """Every endpoint but /health needs ``Authorization: Bearer <api_key>`` when a key is set."""
-
-        def __init__(self, app):
-            self.app = app
-
-        async def __call__(self, scope, receive, send):
-            if scope["type"] == "http" and api_key and scope["path"] != "/health":
-                headers = dict(scope["headers"])
-                if headers.get(b"authorization", b"").decode() != f"Bearer {api_key}":
-                    err = ApiError(401, "missing or wrong API key", kind="authentication_error")
-                    return await JSONResponse(err.body(), status_code=401)(scope, receive, send)
-            await self.app(scope, receive, send)
-
+    `max_waiting`: samples (a request counts its `n`) that may wait for the engine; beyond, 429 at once.
+    `max_n`: the most samples one request may ask for. `max_tokens`: the most tokens one may ask for
+    (default: only the model's context bounds it). All of them are stated in /openapi.json.
+    """
+    server = _Server(engine, model_name, metrics, max_waiting, max_body_bytes, max_n, max_tokens, bool(api_key))
     return Starlette(
         routes=[
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/v1/models", models),
-            Route("/health", health),
-            Route("/metrics", prometheus),
+            Route("/v1/completions", server.completions, methods=["POST"]),
+            Route("/v1/chat/completions", server.chat, methods=["POST"]),
+            Route("/v1/models", server.models),
+            Route("/health", server.health),
+            Route("/metrics", server.prometheus),
+            Route("/openapi.json", server.openapi_document),
         ],
-        exception_handlers={ApiError: api_error, HTTPException: http_error},
-        middleware=[Middleware(BearerAuth)],
-        lifespan=lifespan,
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        middleware=[Middleware(BearerAuth, api_key=api_key, public=PUBLIC_PATHS)],
+        lifespan=server.lifespan,
     )
 
 
-def _reason(finish_reason: str) -> str:
-    return "length" if finish_reason == "length" else "stop"
+class _Server:
+    """The endpoints over one engine, and what they share: limits, the request structs, the shutdown flag."""
+
+    def __init__(self, engine: Engine, model_name: str, metrics: PrometheusMetrics, max_waiting: int,
+                 max_body_bytes: int, max_n: int, max_tokens: int | None, secured: bool):
+        self.engine, self.model_name, self.metrics = engine, model_name, metrics
+        self.max_waiting, self.max_body_bytes, self.max_tokens = max_waiting, max_body_bytes, max_tokens
+        self.CompletionBody, self.ChatBody = p.request_bodies(model_name, max_n, engine.vocab_size, max_tokens)
+        self.schema = msgspec.json.encode(openapi(self.CompletionBody, self.ChatBody, secured, _version()))
+        self.prompt_bytes = _most_prompt_bytes(engine)
+        self.admitting = 0  # samples accepted but not yet queued in the engine (their prompts are tokenizing)
+        # one tokenization at a time, off the event loop: it is CPU work beside the engine's own threads, and a
+        # fast tokenizer whose calls overlap across threads can fail with "Already borrowed"
+        self.tokenizing = anyio.CapacityLimiter(1)
+        self.shutting_down = False
+
+    @asynccontextmanager
+    async def lifespan(self, app) -> AsyncIterator[None]:
+        async with self.engine:
+            try:
+                yield
+            finally:  # the engine's exit cancels what is still running: those requests are answered 503
+                self.shutting_down = True
+
+    # -- generation --------------------------------------------------------------------------------------
+
+    async def completions(self, request: HttpRequest) -> Response:
+        body = await self._admit(request, self.CompletionBody)
+        with self._admitted(body.n):
+            params = sampling(body, body.max_tokens, 16)
+            if isinstance(body.prompt, str):
+                self._check_size(len(body.prompt.encode()), "prompt")
+                ids = await self._tokenize(self._encode, body.prompt)
+            else:
+                ids = body.prompt
+            stream = self._submit(ids, params)
+        return await self._respond(request, body, stream, chat=False)
+
+    async def chat(self, request: HttpRequest) -> Response:
+        body = await self._admit(request, self.ChatBody)
+        with self._admitted(body.n):
+            self._check_size(sum(len(m.role.encode()) + len(m.content.encode()) for m in body.messages), "messages")
+            messages = [{"role": m.role, "content": m.content} for m in body.messages]
+            ids = await self._tokenize(self._apply_template, messages)
+            limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            room = min(1024, self.max_tokens or 1024, self.engine.max_context - len(ids))
+            params = sampling(body, limit, max(1, room))
+            stream = self._submit(ids, params)
+        return await self._respond(request, body, stream, chat=True)
+
+    async def _admit(self, request: HttpRequest, kind: type):
+        """The parsed body, once the engine and the queue's room for its samples are checked."""
+        body = parse(await read_body(request, self.max_body_bytes), kind, self.model_name)
+        self._check_running()
+        waiting = sum(1 + len(s.forks) for s in self.engine.waiting) + self.admitting  # samples, not requests
+        if waiting + body.n > self.max_waiting:
+            raise ApiError(429, f"the server is at capacity ({waiting} of {self.max_waiting} samples waiting); "
+                                "retry later", kind="rate_limit_exceeded")
+        return body
+
+    @contextmanager
+    def _admitted(self, n: int) -> Iterator[None]:
+        """Counts `n` samples as waiting while their prompt is tokenized (they are not in the engine yet)."""
+        self.admitting += n
+        try:
+            yield
+        finally:
+            self.admitting -= n
+
+    def _check_running(self) -> None:
+        if not self.engine.healthy:
+            raise ApiError(503, "the engine is not running; retry later", kind="service_unavailable")
+
+    def _check_size(self, size: int, param: str) -> None:
+        # refused before tokenizing: no token covers more than the vocabulary's longest string
+        if size > self.prompt_bytes:
+            raise ApiError(400, f"the prompt ({size} bytes) is longer than the model's context of "
+                                f"{self.engine.max_context} tokens can hold", param=param)
+
+    async def _tokenize(self, fn, arg) -> list[int]:
+        if self.engine.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        return await anyio.to_thread.run_sync(fn, arg, limiter=self.tokenizing)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=True))
+
+    def _apply_template(self, messages: list[dict]) -> list[int]:
+        try:
+            return list(self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+        except Exception as exc:  # the template's own message (e.g. roles out of order)
+            raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+
+    def _submit(self, ids: list[int], params) -> TokenStream:
+        self._check_running()  # (again: tokenizing took a while)
+        try:
+            return self.engine.stream(Request(ids, params, request_id=f"cmpl-{uuid.uuid4().hex[:20]}"))
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    async def _respond(self, request: HttpRequest, body, stream: TokenStream, chat: bool) -> Response:
+        if body.stream:
+            return StreamingResponse(self._events(body, stream, chat), media_type="text/event-stream")
+        present, done = await unless_disconnected(request, lambda: _finish(stream))
+        if not present:  # the client left and its request was aborted: nobody reads this
+            return Response(status_code=499)
+        failure = self._failure(done)
+        if failure is not None:
+            raise failure
+        common = {"id": done.request_id, "created": int(time.time()), "model": self.model_name, "usage": _usage(done)}
+        if chat:
+            return json_response(p.ChatCompletion(object="chat.completion", **common, choices=[
+                p.ChatChoice(index=s.index, message=p.AssistantMessage(role="assistant", content=s.text),
+                             finish_reason=s.finish_reason) for s in done.samples]))
+        return json_response(p.Completion(object="text_completion", **common, choices=[
+            p.CompletionChoice(index=s.index, text=s.text, finish_reason=s.finish_reason) for s in done.samples]))
+
+    async def _events(self, body, stream: TokenStream, chat: bool) -> AsyncIterator[bytes]:
+        """Server-sent events: the chunks, then an error event if the request failed, then ``[DONE]``."""
+        try:
+            async for event in self._chunks(body, stream, chat):
+                yield event
+        except Exception as exc:  # (a bug of ours: the client still learns the stream is broken)
+            log.exception("streaming %s failed", stream.request_id)
+            yield _sse(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error").body())
+        yield b"data: [DONE]\n\n"
+
+    async def _chunks(self, body, stream: TokenStream, chat: bool) -> AsyncIterator[bytes]:
+        head = {"id": stream.request_id, "created": int(time.time()), "model": self.model_name}
+        envelope, piece = _chunk_types(chat, head)
+        async with stream:
+            if chat:
+                for i in range(body.n):
+                    yield _sse(envelope([piece(i, "", role="assistant")]))
+            try:
+                # the engine's token texts stop before any stop string: they add up to the sample's text
+                async for token in stream:
+                    if token.text:
+                        yield _sse(envelope([piece(token.index, token.text)]))
+            except RequestError:
+                pass  # (the completion says why, below)
+            done = stream.completion()
+        failure = self._failure(done)
+        if failure is not None:
+            yield _sse(failure.body())
+            return
+        for s in done.samples:
+            yield _sse(envelope([piece(s.index, finish=s.finish_reason)]))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield _sse(envelope([], _usage(done)))
+
+    def _failure(self, done: Completion) -> ApiError | None:
+        """The error a request that did not finish answers: 500 when the engine failed it, 503 when it was
+        cancelled on the server's side (a client that left gets no answer)."""
+        reasons = {s.finish_reason for s in done.samples}
+        if "error" in reasons:
+            return ApiError(500, f"generation failed: {done.error}", kind="server_error")
+        if reasons - {"stop", "length"}:
+            why = "the server is shutting down" if self.shutting_down else "it was cancelled on the server"
+            return ApiError(503, f"the request did not finish: {why}; retry later", kind="service_unavailable")
+        return None
+
+    # -- the rest --------------------------------------------------------------------------------------------
+
+    async def models(self, request: HttpRequest) -> Response:
+        card = p.ModelCard(id=self.model_name, object="model", created=0, owned_by="jitney")
+        return json_response(p.ModelList(object="list", data=[card]))
+
+    async def health(self, request: HttpRequest) -> Response:
+        if not self.engine.healthy:
+            err = ApiError(503, "the engine's step loop is not running", kind="service_unavailable")
+            return json_response(err.body(), 503)
+        return json_response(p.Health(status="ok"))
+
+    async def prometheus(self, request: HttpRequest) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def openapi_document(self, request: HttpRequest) -> Response:
+        return Response(self.schema, media_type="application/json")
 
 
-def _usage(done) -> dict:
+async def _finish(stream: TokenStream) -> Completion:
+    """Run a request to its end (a failed one too: its completion says why)."""
+    async with stream:
+        try:
+            async for _ in stream:
+                pass
+        except RequestError:
+            pass
+        return stream.completion()
+
+
+def _chunk_types(chat: bool, head: dict) -> tuple[Callable, Callable]:
+    """How a stream's events are built: (envelope(choices, usage=None), piece(index, text, finish, role))."""
+    if chat:
+        def envelope(choices, usage=None):
+            return p.ChatCompletionChunk(object="chat.completion.chunk", **head, choices=choices, usage=usage)
+
+        def piece(i: int, text: str | None = None, finish=None, role=None):
+            return p.ChatChunkChoice(index=i, delta=p.ChatDelta(role=role, content=text), finish_reason=finish)
+    else:
+        def envelope(choices, usage=None):
+            return p.CompletionChunk(object="text_completion", **head, choices=choices, usage=usage)
+
+        def piece(i: int, text: str | None = None, finish=None, role=None):
+            return p.CompletionChunkChoice(index=i, text=text or "", finish_reason=finish)
+    return envelope, piece
+
+
+def _sse(body: msgspec.Struct) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+def _usage(done: Completion) -> p.Usage:
     prompt = len(done.prompt_token_ids)
     completion = sum(len(s.token_ids) for s in done.samples)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def serve(model: str, host: str, port: int, api_key: str | None, max_waiting: int, config) -> None:
+def _most_prompt_bytes(engine: Engine) -> float:
+    """The most UTF-8 bytes a prompt can have and still fit the model's context: every token covers at most
+    as many bytes as the longest string of the vocabulary (an over-estimate: byte-level vocabularies write
+    one byte as up to two)."""
+    tok = engine.tokenizer
+    if tok is None or engine.max_context == math.inf:
+        return math.inf
+    return max((len(t.encode()) for t in tok.get_vocab()), default=1) * engine.max_context
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jitney")
+    except PackageNotFoundError:
+        return "0"
+
+
+async def _api_error(request: HttpRequest, exc: ApiError) -> Response:
+    return json_response(exc.body(), exc.status)
+
+
+async def _http_error(request: HttpRequest, exc: HTTPException) -> Response:
+    return json_response(ApiError(exc.status_code, exc.detail).body(), exc.status_code)
+
+
+async def _internal_error(request: HttpRequest, exc: Exception) -> Response:
+    return json_response(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error").body(), 500)
+
+
+def serve(model: str, host: str, port: int, api_key: str | None, max_waiting: int, config, max_n: int = 16) -> None:
     """Load `model` and serve it until interrupted (what `jitney serve` runs)."""
     from pathlib import Path
 
@@ -196,5 +320,5 @@ def serve(model: str, host: str, port: int, api_key: str | None, max_waiting: in
     metrics = PrometheusMetrics()
     engine = Engine.from_pretrained(model, config=config, plugins=[metrics, RequestLog()])
     name = model if model == "smollm2" else Path(model).name
-    app = build_app(engine, name, metrics, api_key=api_key, max_waiting=max_waiting)
+    app = build_app(engine, name, metrics, api_key=api_key, max_waiting=max_waiting, max_n=max_n)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,10 +1,31 @@
-"""The OpenAI request bodies we accept, and how they map onto `SamplingParams`."""
+"""The OpenAI request and response bodies as msgspec structs.
 
-from __future__ import annotations
+The same structs decode and validate what comes in, encode what goes out, and are what /openapi.json is
+generated from, so the published schema states exactly the constraints the server enforces.
+"""
+
+# (no `from __future__ import annotations`: the request structs are built in a function, and msgspec reads
+# their annotations at run time, when only real objects still see that function's locals)
+import re
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 from jitney.core.request import SamplingParams
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    """What every error answers, and the last event of a stream that failed."""
+
+    error: ErrorDetail
 
 
 class ApiError(Exception):
@@ -14,67 +35,230 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+    def body(self) -> ErrorBody:
+        return ErrorBody(error=ErrorDetail(message=self.message, type=self.kind, param=self.param, code=None))
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+# -- responses ---------------------------------------------------------------------------------------------
+
+FinishReason = Literal["stop", "length"]  # a sample that failed or was cancelled is an error, not a finish
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """The answer of /v1/completions."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    """The answer of /v1/chat/completions."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One server-sent event of a streamed completion (`usage` only on the last, when asked for)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    """The answer of /v1/models."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(msgspec.Struct, kw_only=True):
+    """The answer of /health while the engine's step loop runs."""
+
+    status: Literal["ok"]
+
+
+RESPONSES = (Completion, ChatCompletion, CompletionChunk, ChatCompletionChunk, ModelList, ErrorBody, Health)
+
+
+# -- requests ----------------------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class Message(msgspec.Struct):
+class Message(msgspec.Struct, kw_only=True):
     role: str
     content: str
 
 
-class _Common(msgspec.Struct, kw_only=True):
-    model: str
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None  # an end-user id for the caller's own records; accepted and ignored
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # a torch generator's range (sample i uses seed + i)
+StopString = Annotated[str, Meta(min_length=1)]
+Stop = StopString | Annotated[list[StopString], Meta(max_length=4)] | None  # at most 4, as OpenAI's API
 
 
-class CompletionBody(_Common, kw_only=True):
-    prompt: str | list[int]
-    max_tokens: int = 16
+def request_bodies(model_name: str, max_n: int, vocab_size: int, max_tokens: int | None = None) -> tuple[type, type]:
+    """The (completion, chat) request structs of a server of `model_name` with these limits: `n` up to `max_n`,
+    token ids below `vocab_size`, `max_tokens` up to `max_tokens` when set (the model's context bounds it
+    anyway). `parse` answers another model's name with 404, before the struct would call it invalid."""
+    n_type = Annotated[int, Meta(ge=1, le=max_n)]
+    tokens = Annotated[int, Meta(ge=1)] if max_tokens is None else Annotated[int, Meta(ge=1, le=max_tokens)]
+    token_id = Annotated[int, Meta(ge=0, lt=vocab_size)]
+
+    class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+        model: Literal[model_name]  # type: ignore[valid-type]
+        temperature: Annotated[float, Meta(ge=0)] = 1.0
+        top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+        seed: Seed | None = None
+        stop: Stop = None
+        n: n_type = 1
+        stream: bool = False
+        stream_options: StreamOptions | None = None
+        user: str | None = None  # an end-user id for the caller's own records; accepted and ignored
+
+    class CompletionBody(_Common, kw_only=True):
+        prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[token_id], Meta(min_length=1)]
+        max_tokens: tokens = 16
+
+    class ChatBody(_Common, kw_only=True):
+        messages: Annotated[list[Message], Meta(min_length=1)]
+        max_tokens: tokens | None = None
+        max_completion_tokens: tokens | None = None
+
+    return CompletionBody, ChatBody
 
 
-class ChatBody(_Common, kw_only=True):
-    messages: list[Message]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+_WHERE = re.compile(r"^(?P<what>.*) - at `\$\.(?P<field>[A-Za-z_]+)(?P<rest>[^`]*)`$")
+_MISSING = re.compile(r"missing required field `([A-Za-z_]+)`$")
 
 
-def parse(raw: bytes, kind: type[msgspec.Struct]):
-    """Decode a request body; unknown (unsupported) fields are named in a 400, as are bad values."""
+def parse(raw: bytes, kind: type[msgspec.Struct], model: str):
+    """Decode a request body for `model`; unknown (unsupported) fields are named in a 400, as are bad values;
+    another model's name is a 404."""
     try:
         data = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
     unsupported = sorted(set(data) - set(kind.__struct_fields__))
     if unsupported:
         raise ApiError(400, f"unsupported field(s): {', '.join(unsupported)}", param=unsupported[0])
+    asked = data.get("model")
+    if isinstance(asked, str) and asked != model:
+        raise ApiError(404, f"model {asked!r} does not exist; this server has {model!r}", param="model",
+                       kind="model_not_found")
     try:
-        return msgspec.convert(data, kind)
+        return msgspec.convert({k: _integral(v) for k, v in data.items()}, kind)
     except msgspec.ValidationError as exc:
-        raise ApiError(400, str(exc)) from None
+        raise _invalid(str(exc)) from None
 
 
-def sampling(body: CompletionBody | ChatBody, max_tokens: int | None, default_max: int) -> SamplingParams:
+def _integral(value):
+    """JSON Schema counts 1.0 as an integer, msgspec does not: whole floats become ints, at the top level
+    and in lists there (a token-id prompt), the only places the bodies have integers."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, list):
+        return [int(v) if isinstance(v, float) and v.is_integer() else v for v in value]
+    return value
+
+
+def _invalid(message: str) -> ApiError:
+    """A 400 naming the field msgspec's message points at (``... - at `$.n```)."""
+    where = _WHERE.match(message)
+    if where is None:
+        missing = _MISSING.search(message)
+        return ApiError(400, message, param=missing[1] if missing else None)
+    field = where["field"]
+    if "length >= 1" in where["what"] and not where["rest"]:
+        return ApiError(400, f"{field} must not be empty", param=field)
+    return ApiError(400, f"invalid {field}: {where['what'][0].lower()}{where['what'][1:]}"
+                         f"{' at ' + field + where['rest'] if where['rest'] else ''}", param=field)
+
+
+def sampling(body, max_tokens: int | None, default_max: int) -> SamplingParams:
     """Map the OpenAI sampling fields; a bad value is a 400 that says which."""
-    max_new = default_max if max_tokens is None else max_tokens
-    if max_new < 1:
-        raise ApiError(400, f"max_tokens must be >= 1 (got {max_new})", param="max_tokens")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     try:
-        return SamplingParams(max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                              stop=stop, n=body.n)
+        return SamplingParams(max_new_tokens=default_max if max_tokens is None else max_tokens,
+                              temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=stop, n=body.n)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None

@@ -90,6 +90,14 @@ def test_stop_strings_and_several_samples(client, expected):
     assert all(c.finish_reason == "stop" for c in out.choices)
 
 
+def test_streamed_text_stops_before_the_stop_string(client, expected):
+    cut = expected[0].split()[1]
+    chunks = list(client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, stop=[cut],
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected[0][: expected[0].index(cut)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_models_health_and_auth(server, client):
     assert [m.id for m in client.models.list()] == ["smollm2"]
     url = server[0]
