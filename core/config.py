@@ -71,6 +71,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     rotary and SiLU, one linear each over the q/k/v and the gate/up weights stacked (`kernels/cpu_layers.py`).
     `None`: on where the weights are packed and the C++ kernels build."""
 
+    check_model: bool = True
+    """When the engine is entered, run a few positions through the model's own attention and through the path
+    that will serve it, and refuse the model (`selfcheck.UnfaithfulModel`, naming the class and the reason)
+    if they differ: an architecture jitney cannot run faithfully fails there, never with wrong tokens. Costs
+    a few short forward passes at start-up; False skips it."""
+
     speculative_tokens: Annotated[int, Meta(ge=0)] | None = None
     """Speculative decoding in the CPU's one-call decode steps (`kernels/cpu_layers.FusedDecoder.speculate`):
     an int8 copy of the model proposes this many tokens after each greedy decode, and one pass of the model

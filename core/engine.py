@@ -14,6 +14,7 @@ import anyio
 
 from jitney.core import assembly
 from jitney.core import events as ev
+from jitney.core import selfcheck
 from jitney.core.config import EngineConfig
 from jitney.core.executor import ForwardThread, PreparedStep, StepExecutor
 from jitney.core.faults import ErrorLog, PluginFault, batch_requests, notify_observers
@@ -99,10 +100,14 @@ class Engine:
         return self
 
     async def _bind(self) -> None:
+        self._forward = ForwardThread(self.executor)
+        check = self.config.check_model
+        if check:  # the model's own logits, before anything of jitney's is bound to it
+            sequences = selfcheck.probe_tokens(self.vocab_size)
+            reference = self._forward.pool.submit(selfcheck.reference_logits, self.model, sequences).result()
         self._saved_attn = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_NAME)
         self._attn_bound = True
-        self._forward = ForwardThread(self.executor)
         # Packed on the thread that runs the forwards: weights packed on another thread made each step of
         # SmolLM2 at batch 1 ~30% slower (55 vs 42 ms).
         self._cpu_paths = self._forward.pool.submit(assembly.enter_cpu_paths, self.config, self.model).result()
@@ -112,6 +117,8 @@ class Engine:
         self.speculate = self._plan_speculation()
         if self.speculate:  # the draft's weights packed now, on the forward thread, not in a request's first step
             self._forward.pool.submit(lambda: self.executor.decoder.draft).result()
+        if check:  # the same rows through what will serve: refused here rather than wrong tokens later
+            self._forward.pool.submit(selfcheck.check, self, reference, sequences).result()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._running = True

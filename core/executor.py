@@ -200,36 +200,41 @@ class StepExecutor:
         return result
 
     def _forward(self, p: PreparedStep, started: Callable[[], None], result: list[list[int] | None]) -> None:
-        argmax = None
+        logits, argmax = self.logits(p, started)
+        if not p.sampled_entries:
+            return
+        if len(p.params) > len(p.sampled_entries):  # forking rows draw several tokens from one row
+            logits = logits.repeat_interleave(torch.tensor(p.samples_per_entry, device=logits.device), dim=0)
+        tokens, errors = sample(logits, p.params, p.generators, argmax)
+        start = 0
+        for i, count in zip(p.sampled_entries, p.samples_per_entry):
+            result[i] = tokens[start : start + count]
+            if errors:
+                why = next((errors[r] for r in range(start, start + count) if r in errors), None)
+                if why is not None:
+                    self.row_errors[i] = why
+            start += count
+
+    def logits(self, p: PreparedStep, started: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, Callable | None]:
+        """The step's logits at its sampled rows, by the path that serves it (padded static step, the CPU's
+        one-call decoder, or the model with jitney's attention), and that path's argmax if it has its own."""
         if p.static is not None:
             started()
-            logits = self.static.forward(p.static)
-        elif self.decoder is not None:
+            return self.static.forward(p.static), None
+        if self.decoder is not None:
             if p.step.num_decodes == len(p.step.query_lens):
                 logits = self.decoder(p.input_ids, p.positions, p.step, started)
             else:
                 # (no LM head at all for a step that samples nothing: chunks of prompts that go on)
                 keep = p.keep.tolist() if p.sampled_entries else []
                 logits = self.decoder.step(p.input_ids, p.positions, p.step, keep, started)
-            argmax = self.decoder.argmax
-        else:
-            started()
-            logits = self.model(
-                input_ids=p.input_ids, position_ids=p.positions[None], use_cache=False, logits_to_keep=p.keep,
-                **{STEP_KWARG: self.backend.prepare(p.step)},
-            ).logits[0]
-        if p.sampled_entries:
-            if len(p.params) > len(p.sampled_entries):  # forking rows draw several tokens from one row
-                logits = logits.repeat_interleave(torch.tensor(p.samples_per_entry, device=logits.device), dim=0)
-            tokens, errors = sample(logits, p.params, p.generators, argmax)
-            start = 0
-            for i, count in zip(p.sampled_entries, p.samples_per_entry):
-                result[i] = tokens[start : start + count]
-                if errors:
-                    why = next((errors[r] for r in range(start, start + count) if r in errors), None)
-                    if why is not None:
-                        self.row_errors[i] = why
-                start += count
+            return logits, self.decoder.argmax
+        started()
+        logits = self.model(
+            input_ids=p.input_ids, position_ids=p.positions[None], use_cache=False, logits_to_keep=p.keep,
+            **{STEP_KWARG: self.backend.prepare(p.step)},
+        ).logits[0]
+        return logits, None
 
 
 class ForwardThread:

@@ -113,6 +113,8 @@ def jitney_attention(module, query, key, value, attention_mask, scaling=None, sl
         )
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention logit soft-capping is not supported by jitney's attention yet")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported by jitney's attention yet")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     return step(module.layer_idx, query, key, value, scaling, sliding_window), None

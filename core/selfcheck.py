@@ -1,0 +1,112 @@
+"""The start-up check that the engine runs a model faithfully: a few positions through the model's own
+attention, then through the path that will serve it (jitney's attention, fused layers, padded steps), compared.
+A model jitney cannot run faithfully is refused when the engine is entered, never served wrong tokens."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+import torch
+
+from jitney.core.request import Request, SamplingParams
+from jitney.core.sequence import Sequence
+
+if TYPE_CHECKING:
+    from jitney.core.engine import Engine
+
+PROMPT_LENGTHS = (5, 9, 13)
+"""One prefill chunk of each in a step, then one decode each: mixed lengths, past a short sliding window."""
+
+
+class UnfaithfulModel(NotImplementedError):
+    """The engine cannot run this model faithfully; the message names the model class and the reason."""
+
+
+def probe_tokens(vocab_size: int) -> list[list[int]]:
+    """Each probe sequence: its prompt and the one token it decodes."""
+    rng = random.Random(0)
+    return [[rng.randrange(min(3, vocab_size - 1), vocab_size) for _ in range(n + 1)] for n in PROMPT_LENGTHS]
+
+
+def reference_logits(model, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """The model's own logits (its own attention, before the engine binds it) at each probe's last prompt token
+    and at its decoded token."""
+    rows = []
+    with torch.inference_mode():
+        for seq in sequences:
+            logits = model(input_ids=torch.tensor([seq], device=model.device), use_cache=False).logits[0]
+            rows += [logits[-2].float(), logits[-1].float()]
+    return rows
+
+
+def served_logits(engine: Engine, sequences: list[list[int]]) -> tuple[list[torch.Tensor], int]:
+    """The same rows by the path that serves requests: one step prefilling every prompt, one decoding each.
+    Also returns how many times jitney's attention was called (0: the model's layers never reach it)."""
+    executor, cache = engine.executor, engine.cache
+    seqs = [Sequence(Request(s[:-1], SamplingParams(max_new_tokens=1)), s[:-1], frozenset(), i,
+                     request_id=f"jitney-check-{i}") for i, s in enumerate(sequences)]
+    calls = [0]
+    backend = executor.backend
+    prepare = backend.prepare
+
+    def counting(step):
+        attend = prepare(step)
+
+        def counted(*args):
+            calls[0] += 1
+            return attend(*args)
+
+        return counted
+
+    backend.prepare = counting  # (an instance attribute, removed below)
+    try:
+        rows: list[list[torch.Tensor]] = [[], []]
+        for seq, tokens in zip(seqs, sequences):
+            if not cache.reserve(seq.request_id, len(tokens)):
+                raise RuntimeError("the cache is too small for the start-up check; raise num_blocks")
+        for phase in (0, 1):
+            entries = [(seq, seq.remaining) for seq in seqs]
+            prepared = executor.prepare(entries)
+            with torch.inference_mode():
+                executor.zero_new_blocks(prepared)
+                logits, _ = executor.logits(prepared)
+            order = {i: k for k, i in enumerate(prepared.sampled_entries)}
+            rows[phase] = [logits[order[i]].float() for i in range(len(seqs))]
+            for seq, tokens in zip(seqs, sequences):  # each takes its decoded token, as `_apply` would
+                seq.num_computed = seq.num_tokens
+                if phase == 0:
+                    seq.output_ids.append(tokens[-1])
+        return [r for pair in zip(*rows) for r in pair], calls[0]
+    finally:
+        del backend.prepare
+        for seq in seqs:
+            cache.release(seq.request_id)
+
+
+def check(engine: Engine, reference: list[torch.Tensor], sequences: list[list[int]]) -> None:
+    """Raise `UnfaithfulModel` unless the served logits match the model's own."""
+    name = type(engine.model).__name__
+    try:
+        served, calls = served_logits(engine, sequences)
+    except NotImplementedError as exc:
+        raise UnfaithfulModel(f"jitney cannot run {name}: {exc}") from exc
+    except RuntimeError as exc:
+        if "bound to a jitney engine" in str(exc):
+            raise UnfaithfulModel(f"jitney cannot run {name}: its layers do not pass the step's data down to the "
+                                  "attention function (a decoder layer drops **kwargs)") from exc
+        raise
+    fused = engine.executor.decoder is not None or engine.executor.static is not None
+    if calls == 0 and not fused:
+        raise UnfaithfulModel(f"jitney cannot run {name}: its attention never reaches jitney's attention function "
+                              "(its modeling code does not use transformers' attention registry)")
+    tol = 1e-3 if engine.cache.keys[0].dtype == torch.float32 else 5e-2
+    for i, (mine, ref) in enumerate(zip(served, reference)):
+        err = (mine.to(ref.device) - ref).abs().max().item()
+        scale = max(1.0, ref.abs().max().item())
+        if not err <= tol * scale:  # (NaN fails too)
+            where = "prefill" if i % 2 == 0 else "decode"
+            raise UnfaithfulModel(
+                f"jitney cannot run {name} faithfully: its logits through jitney ({where} of a "
+                f"{PROMPT_LENGTHS[i // 2]}-token prompt) differ from the model's own by {err:.3g} (scale {scale:.3g}); "
+                "an attention feature it uses is probably not implemented (e.g. attention sinks)")

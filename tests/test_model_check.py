@@ -1,0 +1,66 @@
+"""The start-up check: a model jitney cannot run faithfully is refused when the engine is entered, with the
+model class and the reason, and left as it was; models it runs pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+from support import reference
+
+from jitney import Engine, EngineConfig, Request, SamplingParams
+from jitney.core.selfcheck import UnfaithfulModel
+
+
+def tiny(config_class, model_class, **kw):
+    """A tiny random model, its weights scaled up so that every attention feature changes the logits."""
+    torch.manual_seed(0)
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    model = model_class(config_class(**{**base, **kw})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(5)
+    return model
+
+
+REFUSED = {
+    "falcon": (lambda: tiny(T.FalconConfig, T.FalconForCausalLM, num_kv_heads=4, new_decoder_architecture=False),
+               "never reaches jitney's attention function"),
+    "stablelm": (lambda: tiny(T.StableLmConfig, T.StableLmForCausalLM, num_key_value_heads=2),
+                 "do not pass the step's data down"),
+    "gpt-oss": (lambda: tiny(T.GptOssConfig, T.GptOssForCausalLM, num_key_value_heads=2, num_local_experts=4,
+                             num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                             layer_types=["sliding_attention", "full_attention"]),
+                "attention sinks"),
+    "gemma2 soft-capped": (lambda: tiny(T.Gemma2Config, T.Gemma2ForCausalLM, num_key_value_heads=2, head_dim=16,
+                                        sliding_window=8, query_pre_attn_scalar=16),
+                           "soft-capping"),
+}
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+@pytest.mark.parametrize("name", list(REFUSED))
+async def test_a_model_jitney_cannot_run_faithfully_is_refused_at_entry(name, backend):
+    make, reason = REFUSED[name]
+    model = make()
+    before = model.config._attn_implementation
+    prompt = [5, 6, 7, 8]
+    ref = reference(model, prompt, 4)
+    engine = Engine(model, config=EngineConfig(num_blocks=32, attention_backend=backend))
+    with pytest.raises(UnfaithfulModel, match=reason) as refusal:
+        async with engine:
+            pass
+    assert type(model).__name__ in str(refusal.value)
+    assert not engine.healthy
+    assert model.config._attn_implementation == before
+    assert reference(model, prompt, 4) == ref  # the model is as it was
+
+
+async def test_a_model_it_runs_passes_the_check():
+    model = tiny(T.LlamaConfig, T.LlamaForCausalLM, num_key_value_heads=2)
+    ref = reference(model, [5, 6, 7, 8], 6)
+    async with Engine(model, config=EngineConfig(num_blocks=32)) as engine:
+        out = await engine.generate(Request([5, 6, 7, 8], SamplingParams(max_new_tokens=6, ignore_eos=True)))
+        assert engine.num_free_blocks == 32  # the check gave its blocks back
+    assert out.token_ids == ref
