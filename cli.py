@@ -61,6 +61,18 @@ def _bench_online(args: argparse.Namespace) -> int:
     return online_main(args)
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from jitney.bench.simulate import main as simulate_main
+
+    return simulate_main(args)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from jitney.bench.profile import main as calibrate_main
+
+    return calibrate_main(args)
+
+
 def _soak(args: argparse.Namespace) -> int:
     from jitney.bench.soak import main as soak_main
 
@@ -125,6 +137,20 @@ def main(argv: list[str] | None = None) -> int:
 
     add_online_arguments(online)
     online.set_defaults(func=_bench_online)
+
+    sim = sub.add_parser("simulate", help="run the real scheduler, cache and eviction plugins on a cost model "
+                                          "of the forward (no weights): hit rate, throughput, TTFT, ITL")
+    from jitney.bench.simulate import add_arguments as add_simulate_arguments
+
+    add_simulate_arguments(sim)
+    sim.set_defaults(func=_simulate)
+
+    cal = sub.add_parser("calibrate", help="time real steps on this machine and fit the step-time profile "
+                                           "that `jitney simulate` uses")
+    from jitney.bench.profile import add_arguments as add_calibrate_arguments
+
+    add_calibrate_arguments(cal)
+    cal.set_defaults(func=_calibrate)
 
     soak = sub.add_parser("soak", help="many streaming clients against a server, some leaving mid-stream; then "
                                        "whether it came back to its baseline")

@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import anyio
 import torch
 
+from jitney.bench.simulate import percentile_ms
 from jitney.bench.workloads import WORKLOADS, Workload, long_prompt
-from jitney.core.events import StepCompleted
+from jitney.core.events import FirstToken, StepCompleted
 from jitney.core.hooks import hookimpl
 
 
@@ -125,11 +126,14 @@ class StepStats:
         self.gaps: list[float] = []  # seconds between consecutive tokens of a request, as its consumer saw them
         self.slots_allocated = self.slots_used = 0  # summed over steps: KV slots held vs tokens they hold
         self.drafted = self.accepted = self.speculative_steps = 0
+        self.ttft: list[float] = []  # queueing to first token, per request
 
     @hookimpl
     def jitney_on_events(self, events, engine):
         for e in events:
-            if isinstance(e, StepCompleted):
+            if isinstance(e, FirstToken):
+                self.ttft.append(e.ttft)
+            elif isinstance(e, StepCompleted):
                 self.query += e.prefix_query_tokens
                 self.hit += e.prefix_hit_tokens
                 self.prefill += e.prefill_tokens
@@ -298,6 +302,7 @@ def main(args) -> int:
                     "steps": stats.steps, "forward_share": round(stats.forward_s / wall, 3),
                     "preemptions": stats.preemptions, "itl_p50_ms": round(1000 * gaps[len(gaps) // 2], 1),
                     "itl_p99_ms": round(1000 * gaps[int(len(gaps) * 0.99)], 1), "itl_max_ms": round(1000 * gaps[-1], 1),
+                    "ttft_p50_ms": percentile_ms(stats.ttft, 0.5), "ttft_p99_ms": percentile_ms(stats.ttft, 0.99),
                     "kv_unused_share": round(1 - stats.slots_used / max(1, stats.slots_allocated), 4),
                     "speculative_steps": stats.speculative_steps, "draft_tokens": stats.drafted,
                     "draft_accepted_share": round(stats.accepted / max(1, stats.drafted), 3)}

@@ -7,7 +7,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import anyio
@@ -37,8 +37,11 @@ log = logging.getLogger("jitney")
 class Engine:
     """Continuous batching over one model. Use it as ``async with Engine.from_pretrained(...) as engine``."""
 
-    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, plugins: Iterable[object] = ()):
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, plugins: Iterable[object] = (),
+                 clock: Callable[[], float] = time.perf_counter):
         self.model = model
+        # every time the engine records (events, time to first token): a simulation gives it a virtual clock
+        self.clock = clock
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         self.plugins = make_plugin_manager(plugins)
@@ -211,9 +214,9 @@ class Engine:
             )
         stop = _NO_STOPS if request.params.ignore_eos else (
             frozenset(request.params.stop_token_ids) if request.params.stop_token_ids else self.stop_ids)
-        seq = Sequence(request, prompt_ids, stop, self._arrivals, request_id=request_id)
+        seq = Sequence(request, prompt_ids, stop, self._arrivals, request_id=request_id, now=self.clock())
         # Further samples wait on the first one and fork from it once the prompt is in the cache.
-        seq.forks = [Sequence(request, prompt_ids, stop, self._arrivals, seq.collector, i, request_id)
+        seq.forks = [Sequence(request, prompt_ids, stop, self._arrivals, seq.collector, i, request_id, seq.t_queued)
                      for i in range(1, request.params.n)]
         self._arrivals += 1
         self.requests[request_id] = seq.collector
@@ -292,7 +295,7 @@ class Engine:
         same requests, one token further) is prepared, launched as soon as the tokens are known, and the
         finished step's tokens are handed out while it runs; this goes on until the scheduler is needed
         again (a request waits, or a row is not a plain decode)."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         marks = (self.cache.blocks_demoted, self.preempter.total)
         try:
             batch = self._schedule()
@@ -347,7 +350,7 @@ class Engine:
             self._step_completed(entries, t0, marks, queried, hit, ran_ahead, forward_s, drafts * len(entries), accepted)
             if ahead is None:
                 return
-            entries, t0, queried, hit, ran_ahead = next_entries, time.perf_counter(), 0, 0, True
+            entries, t0, queried, hit, ran_ahead = next_entries, self.clock(), 0, 0, True
             marks = (self.cache.blocks_demoted, self.preempter.total)
 
     @property
@@ -409,9 +412,9 @@ class Engine:
         self.step_count += 1
         prefill = sum(n for _, n in entries if n > 1)
         self.events.append(ev.StepCompleted(
-            t=time.perf_counter(), step=self.step_count, requests=len(entries), prefill_tokens=prefill,
+            t=self.clock(), step=self.step_count, requests=len(entries), prefill_tokens=prefill,
             decode_tokens=sum(n for _, n in entries) - prefill, forward_s=forward_s,
-            step_s=time.perf_counter() - t0, waiting=len(self.waiting), running=len(self.active),
+            step_s=self.clock() - t0, waiting=len(self.waiting), running=len(self.active),
             free_blocks=self.cache.num_free_blocks, total_blocks=self.cache.num_blocks,
             prefix_query_tokens=queried, prefix_hit_tokens=hit, blocks_demoted=self.cache.blocks_demoted - marks[0],
             preemptions=self.preempter.total - marks[1], offloaded=len(self.preempter.offloaded), ahead=ahead,
@@ -435,7 +438,7 @@ class Engine:
         # Once per token of every running request: kept to the objects a decode needs, and a decode's token
         # taken here rather than through `_emit` (a call per request; measured cold, as after a real forward,
         # each object touched costs about as much as the work on it).
-        now = time.perf_counter()
+        now = self.clock()
         cache = self.cache
         bs = cache.block_size
         sliding = cache.sliding
@@ -479,7 +482,7 @@ class Engine:
         """A speculative step's tokens (every entry a greedy decode: `_speculation`), each taken as a decode step
         would take it: the slot before it computed (the step ran the token before it there), then handed out;
         a request may end at any of them."""
-        now = time.perf_counter()
+        now = self.clock()
         bs = self.cache.block_size
         for (seq, _), run in zip(entries, runs):
             for tok in run:
@@ -556,7 +559,7 @@ class Engine:
             self.preempter.forget(seq)
         seq.finish_reason, seq.error = reason, error
         seq.status = {"error": RequestStatus.FAILED, "cancelled": RequestStatus.CANCELLED}.get(reason, RequestStatus.FINISHED)
-        now = time.perf_counter()
+        now = self.clock()
         if error is not None:
             self.events.append(ev.RequestFailed(t=now, request_id=seq.request_id, error=error))
         self.events.append(ev.RequestFinished(

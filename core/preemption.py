@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import time
 from typing import TYPE_CHECKING
 
 from jitney.core import events as ev
@@ -105,7 +104,7 @@ class Preempter:
             for request_id in store:  # whatever it kept is of no use: these requests soft reset instead
                 self._call("discard", lambda: self.backend.discard(request_id), None)
             store = {}
-        now = time.perf_counter()
+        now = self.engine.clock()
         for seq in victims:
             self.total += 1
             self.engine.active.remove(seq)
@@ -130,7 +129,7 @@ class Preempter:
             self.offloaded.pop(0)
             del self._stored[seq.request_id]
             tables = [cache.block_table(seq.request_id, g) for g in range(len(cache.groups))]
-            now = time.perf_counter()
+            now = self.engine.clock()
             loaded = self._call("load", lambda: self.engine.on_forward_thread(
                 lambda: self.backend.load(cache, seq.request_id, tables)) or True, False)
             if not loaded:  # its blocks hold nothing usable: it computes them again (its tokens are known)

@@ -70,7 +70,7 @@ class Sequence:
 
     def __init__(
         self, request: Request, prompt_ids: list[int], stop_ids: frozenset[int], arrival: int,
-        collector: Collector | None = None, index: int = 0, request_id: str | None = None,
+        collector: Collector | None = None, index: int = 0, request_id: str | None = None, now: float | None = None,
     ):
         self.request = request
         self.index = index
@@ -101,7 +101,7 @@ class Sequence:
         self.collector.read.append(0)
         self.collector.open += 1
         self.forks: list[Sequence] = []  # samples that fork from this one when its prompt is done
-        self.t_queued = time.perf_counter()
+        self.t_queued = time.perf_counter() if now is None else now  # (`now`: by the engine's clock)
         self.t_first_token: float | None = None
 
     @property

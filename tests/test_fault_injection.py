@@ -1,7 +1,7 @@
 """Randomized fault injection: plugins that raise, return invalid batches or stall at random steps, clients
 that leave early, poisoned sampling parameters, on a tiny cache with offload on and off. At the end every
 request has ended, no block is held, and every request that was not failed has `generate`'s tokens (a
-cancelled one, a prefix of them). `make test` runs 2 x 1,000 requests; `make nightly` 2 x 10,000."""
+cancelled one, a prefix of them). `make test` runs 2 x 1,000 requests; `make nightly` 20 x 1,000 more."""
 
 from __future__ import annotations
 
@@ -202,7 +202,8 @@ def test_random_faults_leave_no_request_hanging_and_no_block_held(offload, run):
 
 @pytest.mark.nightly
 @pytest.mark.parametrize("offload", [False, True], ids=["soft-reset", "offload"])
-@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
-@given(run=RUNS)
-def test_random_faults_at_length(offload, run):
-    anyio.run(chaos_run, run, 1000, offload)
+@pytest.mark.parametrize("seed", range(1, 11))
+def test_random_faults_at_length(offload, seed):
+    """Ten runs each way, exactly (hypothesis may stop drawing early): 20,000 requests in all."""
+    run = {"seed": seed, "rate": (0.005, 0.01, 0.02)[seed % 3], "num_blocks": (24, 40, 64)[seed % 3]}
+    print(run, anyio.run(chaos_run, run, 1000, offload))

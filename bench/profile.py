@@ -1,0 +1,173 @@
+"""Step-time profiles for `jitney simulate`, and `jitney calibrate`, which fits one on this machine.
+
+A step's time is modelled as a non-negative sum over its shape: a fixed cost, the query tokens (the linear
+layers), the sampled rows (the LM head), the KV tokens decode rows read, and the prefill chunks' attention
+work (query tokens x context). `jitney calibrate` times real steps of a grid of workloads through the engine
+itself and fits the coefficients."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+import numpy as np
+
+FEATURES = ("step", "query_tokens", "sampled_rows", "decode_kv_ktokens", "prefill_attention_mtokens2")
+"""What a step's time is predicted from (the last two in thousands / millions of tokens)."""
+
+
+def features(query_lens: list[int], context_lens: list[int], sampled: int) -> list[float]:
+    """A step's shape, in `FEATURES` order."""
+    decode_kv = sum(c for q, c in zip(query_lens, context_lens) if q == 1)
+    prefill_attention = sum(q * c for q, c in zip(query_lens, context_lens) if q > 1)
+    return [1.0, float(sum(query_lens)), float(sampled), decode_kv / 1e3, prefill_attention / 1e6]
+
+
+class StepProfile(msgspec.Struct, frozen=True):
+    """Seconds per unit of each feature, fitted on one machine for one model."""
+
+    model: str
+    machine: str
+    coefficients: list[float]
+    fit_error: float
+    """Mean absolute relative error of the fitted step times on the calibration steps."""
+    total_error: float
+    """Relative error of their sum (what a simulated wall time inherits)."""
+    steps: int
+
+    def predict(self, shape: list[float]) -> float:
+        return max(0.0, sum(c * x for c, x in zip(self.coefficients, shape)))
+
+    def describe(self) -> str:
+        return (f"{self.model} on {self.machine}: fit error {self.fit_error:.1%} a step, {self.total_error:+.1%} in "
+                f"total, over {self.steps} steps")
+
+
+def fit(shapes: list[list[float]], seconds: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0: a feature whose coefficient comes out negative is dropped and
+    the rest fitted again."""
+    x, y = np.array(shapes), np.array(seconds)
+    keep = list(range(x.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            out = [0.0] * x.shape[1]
+            for i, c in zip(keep, coef):
+                out[i] = max(0.0, float(c))
+            return out
+        keep.pop(int(np.argmin(coef)))
+
+
+def machine_tag() -> str:
+    """The CPU model and core count (a profile is only valid on the machine kind it was fitted on)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def profile_path(model: str) -> Path:
+    from jitney.core.models import cache_dir
+
+    key = hashlib.sha1(f"{model}\n{machine_tag()}".encode()).hexdigest()[:12]
+    return cache_dir() / "profiles" / f"{Path(model).name or 'model'}-{key}.json"
+
+
+def load_profile(path: str | None, model: str) -> StepProfile:
+    """The profile at `path`, else the one `jitney calibrate --model <model>` saved for this machine."""
+    where = Path(path) if path else profile_path(model)
+    if not where.exists():
+        raise FileNotFoundError(f"no step-time profile for {model!r} on this machine ({where}): run "
+                                f"`jitney calibrate --model {model}` first, or give --profile FILE")
+    try:
+        return msgspec.json.decode(where.read_bytes(), type=StepProfile)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"{where} is not a step-time profile: {exc}") from None
+
+
+class StepRecorder:
+    """Wraps `StepExecutor.forward` of a real engine: each step's shape and the seconds its forward took."""
+
+    def __init__(self, executor):
+        self.executor, self.forward = executor, executor.forward
+        self.shapes: list[list[float]] = []
+        self.seconds: list[float] = []
+        executor.forward = self
+
+    def __call__(self, prepared, started):
+        t = time.perf_counter()
+        result = self.forward(prepared, started)
+        self.seconds.append(time.perf_counter() - t)
+        self.shapes.append(features(prepared.step.query_lens, prepared.step.context_lens, len(prepared.params)))
+        return result
+
+
+def calibration_workloads(vocab: int) -> list[list[tuple[list[int], int]]]:
+    """A grid of step shapes: few and many decode rows at short and long contexts, prefill chunks of every size,
+    and mixed steps."""
+    import random
+
+    rng = random.Random(99)
+
+    def requests(count: int, prompt: tuple[int, int], new: int):
+        return [([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt))], new) for _ in range(count)]
+
+    return [requests(1, (16, 16), 48), requests(4, (200, 400), 48), requests(16, (32, 128), 40),
+            requests(64, (16, 256), 24), requests(64, (300, 600), 12), requests(4, (900, 1500), 8)]
+
+
+def calibrate(model, tokenizer, model_name: str, **config_fields) -> StepProfile:
+    """Time real steps of `calibration_workloads` through the engine (no speculation) and fit a profile."""
+    from jitney import Engine, EngineConfig, Request, SamplingParams
+
+    shapes, seconds = [], []
+    vocab = model.config.get_text_config().vocab_size
+    for work in calibration_workloads(vocab):
+        blocks = sum(-(-(len(p) + n) // 16) for p, n in work) + 8
+        config = EngineConfig(**{"num_blocks": blocks, "speculative_tokens": 0,
+                                 "max_requests_per_batch": max(64, len(work)), **config_fields})
+        engine = Engine(model, tokenizer, config)
+        recorder = StepRecorder(engine.executor)
+
+        async def main(engine=engine, work=work) -> None:
+            async with engine, anyio.create_task_group() as tg:
+                for prompt, n in work:
+                    tg.start_soon(engine.generate, Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)))
+
+        anyio.run(main)
+        shapes += recorder.shapes[1:]  # (the first step of each engine pays for warming up)
+        seconds += recorder.seconds[1:]
+    coefficients = fit(shapes, seconds)
+    predicted = [max(0.0, float(np.dot(coefficients, s))) for s in shapes]
+    errors = [abs(p - y) / y for p, y in zip(predicted, seconds) if y > 0]
+    return StepProfile(model=model_name, machine=machine_tag(), coefficients=coefficients,
+                       fit_error=round(sum(errors) / len(errors), 4),
+                       total_error=round(sum(predicted) / sum(seconds) - 1, 4), steps=len(shapes))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help='"smollm2" or a checkpoint folder')
+    parser.add_argument("--out", default=None, help="where to write the profile (default: the jitney cache)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from jitney.core.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    t = time.perf_counter()
+    profile = calibrate(model, tokenizer, args.model)
+    out = Path(args.out) if args.out else profile_path(args.model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(msgspec.json.encode(profile))
+    print(f"{profile.describe()} ({time.perf_counter() - t:.0f} s)")
+    print("seconds per unit: " + ", ".join(f"{n} {c:.3g}" for n, c in zip(FEATURES, profile.coefficients)))
+    print(f"written to {out}")
+    return 0

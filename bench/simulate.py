@@ -1,0 +1,217 @@
+"""`jitney simulate`: the engine's own scheduler, cache manager, prefix cache, eviction, preemption and event bus
+— the very plugin code that serves — driven by a cost model instead of the model: each step's time is
+predicted from its shape by a profile (`jitney calibrate`) and added to a virtual clock; tokens are produced
+without a forward. Only the model's config is needed, never its weights (the model is built on torch's meta
+device, and so is the KV cache)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import torch
+
+from jitney.bench.profile import StepProfile, features, load_profile
+from jitney.bench.workloads import WORKLOADS
+from jitney.core import events as ev
+from jitney.core.hooks import hookimpl
+
+SIM_TOKEN = 7
+"""The token every simulated sample draws (workloads run with `ignore_eos`, so only their lengths matter)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help='"smollm2", a checkpoint folder or a config.json (weights unused)')
+    parser.add_argument("--workload", default="multi-prefix", choices=sorted(k for k in WORKLOADS if "chat" not in k))
+    parser.add_argument("--scheduler", default="fifo", help="comma-separated schedulers: one run per (scheduler, eviction)")
+    parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies")
+    parser.add_argument("--num-blocks", type=int, default=None, help="cache size (default: the whole workload fits)")
+    parser.add_argument("--cache-share", type=float, default=None, help="cache size as a share of what the workload needs")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-batch-tokens", type=int, default=256)
+    parser.add_argument("--profile", default=None, help="a profile file (default: this machine's, from `jitney calibrate`)")
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the rows to this file")
+
+
+@dataclass
+class Arrival:
+    """One request of a simulated workload."""
+
+    prompt: list[int]
+    output_tokens: int
+    arrival_s: float = 0.0
+    priority: int = 0
+
+
+class VirtualClock:
+    """The engine's clock in a simulation: moved only by the steps' predicted times (and idle jumps)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SimulatedForward:
+    """Stands in for `StepExecutor.forward`: the step's predicted time is added to the clock and every sampled
+    entry draws `SIM_TOKEN`."""
+
+    def __init__(self, executor, profile: StepProfile, clock: VirtualClock):
+        self.executor, self.profile, self.clock = executor, profile, clock
+        self.steps = 0
+
+    def __call__(self, prepared, started):
+        started()
+        seconds = self.profile.predict(features(prepared.step.query_lens, prepared.step.context_lens,
+                                                len(prepared.params)))
+        self.clock.now += seconds
+        self.executor.forward_s = seconds
+        self.executor.row_errors = {}
+        self.steps += 1
+        result = [None] * prepared.num_entries
+        for i, count in zip(prepared.sampled_entries, prepared.samples_per_entry):
+            result[i] = [SIM_TOKEN] * count
+        return result
+
+
+@dataclass
+class Timeline:
+    """What a run's requests saw, from their events (virtual times)."""
+
+    ttft: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    query: int = 0
+    hit: int = 0
+    prefill: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    _last: dict[str, float] = field(default_factory=dict)
+
+    @hookimpl
+    def jitney_on_events(self, events, engine):
+        for e in events:
+            if isinstance(e, ev.TokensGenerated):
+                last = self._last.get(e.request_id)
+                if last is not None:
+                    self.gaps.append(e.t - last)
+                self._last[e.request_id] = e.t
+            elif isinstance(e, ev.FirstToken):
+                self.ttft.append(e.ttft)
+            elif isinstance(e, ev.RequestFinished):
+                self._last.pop(e.request_id, None)
+            elif isinstance(e, ev.StepCompleted):
+                self.query += e.prefix_query_tokens
+                self.hit += e.prefix_hit_tokens
+                self.prefill += e.prefill_tokens
+                self.steps += 1
+                self.preemptions += e.preemptions
+
+
+def meta_model(source: str):
+    """The model's architecture with no weights (torch's meta device), from "smollm2", a checkpoint folder or a
+    config.json."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if source == "smollm2":
+        from jitney.core.models import embedded_checkpoint
+
+        source = str(embedded_checkpoint())
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"no model config at {source!r}: give \"smollm2\", a checkpoint folder or a config.json")
+    config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config).eval()
+
+
+def percentile_ms(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    values = sorted(values)
+    return round(1000 * values[min(len(values) - 1, int(q * len(values)))], 1)
+
+
+async def _drive(engine, clock: VirtualClock, work: list[Arrival]) -> float:
+    """Submit each request when the virtual clock reaches its arrival (jumping there when the engine is idle);
+    returns the simulated wall time from the first arrival to the last token."""
+    from jitney import Request, SamplingParams
+
+    order = sorted(range(len(work)), key=lambda i: work[i].arrival_s)
+    start = clock.now = work[order[0]].arrival_s if work else 0.0
+    async with anyio.create_task_group() as tg:
+        for i in order:
+            item = work[i]
+            while clock.now < item.arrival_s:
+                if not (engine.waiting or engine.active or engine.preempter.offloaded):
+                    clock.now = item.arrival_s  # nothing runs until then
+                else:
+                    await anyio.sleep(0)  # a step goes on
+            params = SamplingParams(max_new_tokens=item.output_tokens, ignore_eos=True)
+            stream = engine.stream(Request(item.prompt, params, priority=item.priority))
+            stream.collector.samples[0].t_queued = item.arrival_s  # (it arrived then, whatever step was running)
+            tg.start_soon(_drain, stream)
+    return clock.now - start
+
+
+async def _drain(stream) -> None:
+    async with stream:
+        async for _ in stream:
+            pass
+
+
+def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), **config_fields) -> dict:
+    """One simulated run of `work`: a `jitney bench`-style row."""
+    from jitney import Engine, EngineConfig
+
+    clock = VirtualClock()
+    timeline = Timeline()
+    config = EngineConfig(**{"check_model": False, "speculative_tokens": 0, **config_fields})
+    engine = Engine(model, None, config, plugins=[timeline, *plugins], clock=clock)
+    forward = engine.executor.forward = SimulatedForward(engine.executor, profile, clock)
+
+    async def main() -> float:
+        async with engine:
+            return await _drive(engine, clock, work)
+
+    wall = anyio.run(main)
+    out_tokens = sum(a.output_tokens for a in work)
+    return {
+        "mode": f"sim[{config.scheduler}/{config.eviction}]", "scheduler": config.scheduler, "eviction": config.eviction,
+        "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1) if wall > 0 else math.inf,
+        "prefix_hit_rate": round(timeline.hit / max(1, timeline.query), 3), "prompt_tokens_computed": timeline.prefill,
+        "steps": forward.steps, "preemptions": timeline.preemptions,
+        "ttft_p50_ms": percentile_ms(timeline.ttft, 0.5), "ttft_p99_ms": percentile_ms(timeline.ttft, 0.99),
+        "itl_p50_ms": percentile_ms(timeline.gaps, 0.5), "itl_p99_ms": percentile_ms(timeline.gaps, 0.99),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    import time
+
+    model = meta_model(args.model)
+    profile = load_profile(args.profile, args.model)
+    vocab = model.config.get_text_config().vocab_size
+    work = [Arrival(p, n) for p, n in (WORKLOADS[args.workload](vocab) if args.workload != "long-prompt"
+                                       else WORKLOADS[args.workload](vocab, args.max_batch_tokens))]
+    need = sum(-(-(len(a.prompt) + a.output_tokens) // args.block_size) for a in work)
+    num_blocks = args.num_blocks or (int(need * args.cache_share) if args.cache_share else need)
+    print(f"workload {args.workload}: {len(work)} requests; cache {num_blocks} blocks; profile {profile.describe()}")
+    rows = []
+    for scheduler in args.scheduler.split(","):
+        for eviction in args.eviction.split(","):
+            t = time.perf_counter()
+            row = simulate(model, work, profile, scheduler=scheduler, eviction=eviction, num_blocks=num_blocks,
+                           block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
+                           max_requests_per_batch=max(64, len(work)))
+            row["simulated_in_s"] = round(time.perf_counter() - t, 2)
+            rows.append(row)
+            print(f"  {row['mode']}: {row['wall_s']} s simulated, hit rate {row['prefix_hit_rate']:.0%}, "
+                  f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms ({row['simulated_in_s']} s to run)")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({"workload": args.workload, "rows": rows}, indent=2))
+    return 0
