@@ -14,8 +14,9 @@ import msgspec
 class Event(msgspec.Struct, frozen=True, tag=True, kw_only=True, gc=False):
     """Base of all events; `t` is when it happened, by the engine's clock (`time.perf_counter()`, or a
     simulation's virtual clock). (Numbers and strings only, so never in a reference cycle: not tracked by
-    Python's garbage collector, which a step of 256 decodes otherwise gave 256 more objects to count and scan; null executor, three alternating pairs: scheduler + cache + bus
-    0.81 / 0.89 / 1.07 ms against 0.94 / 1.18 / 1.10.)"""
+    Python's garbage collector, which a step of 256 decodes otherwise gave 256 more objects to count and scan;
+    null executor, three alternating pairs: scheduler + cache + bus 0.81 / 0.89 / 1.07 ms against
+    0.94 / 1.18 / 1.10.)"""
 
     t: float
 
