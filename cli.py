@@ -51,7 +51,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = EngineConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
                           cpu_offload_space=args.cpu_offload_space, speculative_tokens=args.speculative_tokens)
-    serve(args.model, args.host, args.port, args.api_key, args.max_waiting, config, max_n=args.max_n)
+    serve(args.model, args.host, args.port, args.api_key, args.max_waiting, config, max_n=args.max_n,
+          record_trace=args.record_trace)
     return 0
 
 
@@ -65,6 +66,12 @@ def _simulate(args: argparse.Namespace) -> int:
     from jitney.bench.simulate import main as simulate_main
 
     return simulate_main(args)
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from jitney.bench.traces import main as trace_main
+
+    return trace_main(args)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -126,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-waiting", type=int, default=256,
                      help="queued samples (a request counts its n) beyond this get 429 at once")
     srv.add_argument("--max-n", type=int, default=16, help="the most samples (n) one request may ask for")
+    srv.add_argument("--record-trace", default=None, metavar="FILE",
+                     help="append each finished request to this JSONL trace (replay: jitney simulate/bench --trace)")
     srv.add_argument("--max-batch-tokens", type=int, default=256)
     srv.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from free memory)")
     srv.add_argument("--cpu-offload-space", type=float, default=1.0, help="GiB of swap pool for preempted requests")
@@ -144,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_simulate_arguments(sim)
     sim.set_defaults(func=_simulate)
+
+    trace = sub.add_parser("trace", help="generate a request trace (JSONL) of a realistic shape")
+    from jitney.bench.traces import add_arguments as add_trace_arguments
+
+    add_trace_arguments(trace)
+    trace.set_defaults(func=_trace)
 
     cal = sub.add_parser("calibrate", help="time real steps on this machine and fit the step-time profile "
                                            "that `jitney simulate` uses")

@@ -21,6 +21,7 @@ from jitney.core.hooks import hookimpl
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="mixed-64", choices=sorted(WORKLOADS))
+    parser.add_argument("--trace", default=None, help="replay a JSONL trace instead, arrivals honoured (jitney modes only)")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--modes", default="jitney,hf-cb,hf-static",
                         help="comma-separated: jitney, jitney-nocache (prefix caching off), jitney-nospec "
@@ -150,7 +151,8 @@ class StepStats:
 
 def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sharing: bool = True,
                attention: str | None = None, **config_fields):
-    """Run the workload through jitney; `config_fields` override `EngineConfig` fields."""
+    """Run the workload through jitney (each request submitted at its `args.arrivals` second, when given);
+    `config_fields` override `EngineConfig` fields."""
     from jitney import Engine, EngineConfig, Request, SamplingParams
 
     need = sum(-(-(len(p) + n) // args.block_size) for p, n in work)
@@ -164,6 +166,7 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
     config = EngineConfig(**{**fields, **config_fields})
     stats = StepStats()
     engine = Engine(model, tokenizer, config, plugins=[stats])
+    arrivals = getattr(args, "arrivals", None)
     out: list[list[int]] = [[] for _ in work]
 
     serving = 0.0
@@ -175,6 +178,8 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
 
             async def one(i: int) -> None:
                 prompt, n = work[i]
+                if arrivals:
+                    await anyio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
                 last = time.perf_counter()
                 async for tok in engine.stream(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))):
                     now = time.perf_counter()
@@ -271,7 +276,15 @@ def main(args) -> int:
         return print_report(measure(model, tokenizer), args.json_path)
     vocab = model.config.get_text_config().vocab_size
     # long-prompt is sized by the token budget it has to chunk across
-    if args.workload == "long-prompt":
+    if getattr(args, "trace", None):
+        from jitney.bench.traces import materialize, read_trace
+
+        if any(not m.startswith("jitney") for m in args.modes.split(",")):
+            raise ValueError("--trace replays through jitney's modes only (transformers' take no arrival times)")
+        replay = materialize(read_trace(args.trace), vocab)
+        work, args.arrivals = [(a.prompt, a.output_tokens) for a in replay], [a.arrival_s for a in replay]
+        args.workload = args.trace
+    elif args.workload == "long-prompt":
         work = long_prompt(vocab, args.max_batch_tokens)
     elif args.workload in ("single-chat", "chat-4"):
         work = WORKLOADS[args.workload](tokenizer)

@@ -27,6 +27,7 @@ SIM_TOKEN = 7
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help='"smollm2", a checkpoint folder or a config.json (weights unused)')
     parser.add_argument("--workload", default="multi-prefix", choices=sorted(k for k in WORKLOADS if "chat" not in k))
+    parser.add_argument("--trace", default=None, help="a JSONL trace to replay instead (see `jitney trace`)")
     parser.add_argument("--scheduler", default="fifo", help="comma-separated schedulers: one run per (scheduler, eviction)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies")
     parser.add_argument("--num-blocks", type=int, default=None, help="cache size (default: the whole workload fits)")
@@ -90,12 +91,15 @@ class Timeline:
     prefill: int = 0
     steps: int = 0
     preemptions: int = 0
+    refused: int = 0
+    generated: int = 0
     _last: dict[str, float] = field(default_factory=dict)
 
     @hookimpl
     def jitney_on_events(self, events, engine):
         for e in events:
             if isinstance(e, ev.TokensGenerated):
+                self.generated += e.tokens
                 last = self._last.get(e.request_id)
                 if last is not None:
                     self.gaps.append(e.t - last)
@@ -136,15 +140,17 @@ def percentile_ms(values: list[float], q: float) -> float:
     return round(1000 * values[min(len(values) - 1, int(q * len(values)))], 1)
 
 
-async def _drive(engine, clock: VirtualClock, work: list[Arrival]) -> float:
+async def _drive(engine, clock: VirtualClock, work: list[Arrival], timeline: Timeline) -> float:
     """Submit each request when the virtual clock reaches its arrival (jumping there when the engine is idle);
-    returns the simulated wall time from the first arrival to the last token."""
+    returns the simulated wall time from the trace's time zero to the last token."""
     from jitney import Request, SamplingParams
 
+    from tqdm import tqdm
+
     order = sorted(range(len(work)), key=lambda i: work[i].arrival_s)
-    start = clock.now = work[order[0]].arrival_s if work else 0.0
+    start = clock.now = 0.0  # (the trace's time zero, as a real replay counts it)
     async with anyio.create_task_group() as tg:
-        for i in order:
+        for i in tqdm(order, desc="simulating", unit="req", disable=len(order) < 2000, leave=False):
             item = work[i]
             while clock.now < item.arrival_s:
                 if not (engine.waiting or engine.active or engine.preempter.offloaded):
@@ -152,7 +158,11 @@ async def _drive(engine, clock: VirtualClock, work: list[Arrival]) -> float:
                 else:
                     await anyio.sleep(0)  # a step goes on
             params = SamplingParams(max_new_tokens=item.output_tokens, ignore_eos=True)
-            stream = engine.stream(Request(item.prompt, params, priority=item.priority))
+            try:
+                stream = engine.stream(Request(item.prompt, params, priority=item.priority))
+            except ValueError:  # past the model's context or the whole cache: what a server answers 400
+                timeline.refused += 1
+                continue
             stream.collector.samples[0].t_queued = item.arrival_s  # (it arrived then, whatever step was running)
             tg.start_soon(_drain, stream)
     return clock.now - start
@@ -176,15 +186,15 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), **con
 
     async def main() -> float:
         async with engine:
-            return await _drive(engine, clock, work)
+            return await _drive(engine, clock, work, timeline)
 
     wall = anyio.run(main)
-    out_tokens = sum(a.output_tokens for a in work)
+    out_tokens = timeline.generated
     return {
         "mode": f"sim[{config.scheduler}/{config.eviction}]", "scheduler": config.scheduler, "eviction": config.eviction,
         "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1) if wall > 0 else math.inf,
         "prefix_hit_rate": round(timeline.hit / max(1, timeline.query), 3), "prompt_tokens_computed": timeline.prefill,
-        "steps": forward.steps, "preemptions": timeline.preemptions,
+        "steps": forward.steps, "preemptions": timeline.preemptions, "refused": timeline.refused,
         "ttft_p50_ms": percentile_ms(timeline.ttft, 0.5), "ttft_p99_ms": percentile_ms(timeline.ttft, 0.99),
         "itl_p50_ms": percentile_ms(timeline.gaps, 0.5), "itl_p99_ms": percentile_ms(timeline.gaps, 0.99),
     }
@@ -196,11 +206,17 @@ def main(args: argparse.Namespace) -> int:
     model = meta_model(args.model)
     profile = load_profile(args.profile, args.model)
     vocab = model.config.get_text_config().vocab_size
-    work = [Arrival(p, n) for p, n in (WORKLOADS[args.workload](vocab) if args.workload != "long-prompt"
-                                       else WORKLOADS[args.workload](vocab, args.max_batch_tokens))]
+    if args.trace:
+        from jitney.bench.traces import materialize, read_trace
+
+        work = materialize(read_trace(args.trace), vocab)
+    else:
+        work = [Arrival(p, n) for p, n in (WORKLOADS[args.workload](vocab) if args.workload != "long-prompt"
+                                           else WORKLOADS[args.workload](vocab, args.max_batch_tokens))]
     need = sum(-(-(len(a.prompt) + a.output_tokens) // args.block_size) for a in work)
     num_blocks = args.num_blocks or (int(need * args.cache_share) if args.cache_share else need)
-    print(f"workload {args.workload}: {len(work)} requests; cache {num_blocks} blocks; profile {profile.describe()}")
+    name = args.trace or args.workload
+    print(f"{name}: {len(work)} requests; cache {num_blocks} blocks; profile {profile.describe()}")
     rows = []
     for scheduler in args.scheduler.split(","):
         for eviction in args.eviction.split(","):
@@ -213,5 +229,5 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {row['mode']}: {row['wall_s']} s simulated, hit rate {row['prefix_hit_rate']:.0%}, "
                   f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms ({row['simulated_in_s']} s to run)")
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"workload": args.workload, "rows": rows}, indent=2))
+        Path(args.json_path).write_text(json.dumps({"workload": name, "rows": rows}, indent=2))
     return 0

@@ -308,7 +308,8 @@ async def _internal_error(request: HttpRequest, exc: Exception) -> Response:
     return json_response(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error").body(), 500)
 
 
-def serve(model: str, host: str, port: int, api_key: str | None, max_waiting: int, config, max_n: int = 16) -> None:
+def serve(model: str, host: str, port: int, api_key: str | None, max_waiting: int, config, max_n: int = 16,
+          record_trace: str | None = None) -> None:
     """Load `model` and serve it until interrupted (what `jitney serve` runs)."""
     from pathlib import Path
 
@@ -318,7 +319,12 @@ def serve(model: str, host: str, port: int, api_key: str | None, max_waiting: in
 
     configure_logging()
     metrics = PrometheusMetrics()
-    engine = Engine.from_pretrained(model, config=config, plugins=[metrics, RequestLog()])
+    plugins: list = [metrics, RequestLog()]
+    if record_trace:
+        from jitney.plugins.trace import TraceRecorder
+
+        plugins.append(TraceRecorder(record_trace))
+    engine = Engine.from_pretrained(model, config=config, plugins=plugins)
     name = model if model == "smollm2" else Path(model).name
     app = build_app(engine, name, metrics, api_key=api_key, max_waiting=max_waiting, max_n=max_n)
     uvicorn.run(app, host=host, port=port, log_level="warning")

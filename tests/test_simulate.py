@@ -116,3 +116,75 @@ def test_missing_profiles_and_configs_are_clear_errors(tmp_path):
         load_profile(str(bad), "x")
     with pytest.raises(FileNotFoundError, match="no model config"):
         meta_model(str(tmp_path / "missing"))
+
+
+# -- traces ---------------------------------------------------------------------------------------------------
+
+
+def test_trace_lines_are_checked_and_named_by_number(tmp_path):
+    from jitney.bench.traces import read_trace
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 3}\n\n'
+                    '{"arrival_s": 1, "prompt_tokens": 5, "prompt_ids": [1], "output_tokens": 3}\n')
+    with pytest.raises(ValueError, match="line 3: give prompt_ids or prompt_tokens"):
+        read_trace(path)
+    path.write_text('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 3, "colour": "red"}\n')
+    with pytest.raises(ValueError, match="line 1: .*colour"):
+        read_trace(path)
+    path.write_text('{"prompt_tokens": 5, "output_tokens": 0}\n')
+    with pytest.raises(ValueError, match="line 1: output_tokens must be >= 1"):
+        read_trace(path)
+
+
+@pytest.mark.parametrize("kind", ["chat-sessions", "agentic", "bursty", "sharegpt"])
+def test_generated_traces_round_trip_and_share_what_they_say(kind, tmp_path):
+    from jitney.bench.traces import GENERATORS, materialize, read_trace, write_trace
+
+    requests = GENERATORS[kind](200, 5.0, seed=2)
+    write_trace(tmp_path / "t.jsonl", requests)
+    again = read_trace(tmp_path / "t.jsonl")
+    assert again == requests
+    arrivals = materialize(again, 49152)
+    assert [a.arrival_s for a in arrivals] == sorted(r.arrival_s for r in requests)
+    if kind == "chat-sessions":  # a session's next turn starts with the previous turn's prompt
+        by_session: dict[str, list] = {}
+        for r, a in zip(sorted(again, key=lambda r: r.arrival_s), arrivals):
+            by_session.setdefault(r.session, []).append(a.prompt)
+        turns = next(p for p in by_session.values() if len(p) > 1)
+        assert turns[1][: len(turns[0])] == turns[0] and len(turns[1]) > len(turns[0])
+    if kind == "agentic":  # requests of one tool prompt share it
+        groups: dict[str, list] = {}
+        for r, a in zip(sorted(again, key=lambda r: r.arrival_s), arrivals):
+            groups.setdefault(r.prefix_group, []).append(a.prompt[: r.prefix_tokens])
+        assert all(all(p == ps[0] for p in ps) for ps in groups.values())
+
+
+def test_a_recorded_trace_replays_the_served_requests(tmp_path):
+    from jitney.bench.traces import materialize, read_trace
+    from jitney.plugins.trace import TraceRecorder
+
+    work = prefixes_workload()[:12]
+    path = tmp_path / "served.jsonl"
+    engine = Engine(tiny_llama(), config=EngineConfig(block_size=4, num_blocks=64), plugins=[TraceRecorder(path)])
+
+    async def main():
+        async with engine, anyio.create_task_group() as tg:
+            for a in work:
+                tg.start_soon(engine.generate, Request(a.prompt, SamplingParams(max_new_tokens=a.output_tokens,
+                                                                                 ignore_eos=True)))
+
+    anyio.run(main)
+    replay = materialize(read_trace(path), 256)
+    assert sorted((a.prompt, a.output_tokens) for a in replay) == sorted((a.prompt, a.output_tokens) for a in work)
+    assert all(a.arrival_s >= 0 for a in replay)
+
+
+def test_a_chat_trace_simulates_with_prefix_hits(tiny_config, tmp_path):
+    from jitney.bench.traces import chat_sessions, materialize
+
+    work = materialize(chat_sessions(300, 20.0, seed=1), 256)
+    row = simulate(meta_model(str(tiny_config)), work, SHAPED, block_size=4, num_blocks=2000, max_batch_tokens=128)
+    assert row["prefix_hit_rate"] > 0.3  # later turns reuse their session's context
+    assert row["refused"] > 0  # sessions that outgrew the tiny model's 512-token context: refused, as served
+    assert row["wall_s"] >= max(a.arrival_s for a in work)
