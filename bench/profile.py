@@ -17,16 +17,25 @@ from pathlib import Path
 import anyio
 import msgspec
 import numpy as np
+import torch
 
-FEATURES = ("step", "query_tokens", "sampled_rows", "decode_kv_ktokens", "prefill_attention_mtokens2")
-"""What a step's time is predicted from (the last two in thousands / millions of tokens)."""
+FEATURES = ("step", "query_tokens", "sampled_rows", "decode_kv_ktokens", "decode_kv_distinct_ktokens",
+            "prefill_attention_mtokens2")
+"""What a step's time is predicted from (KV tokens in thousands, prefill attention in millions of query x key
+pairs). Decode rows sharing a prefix read the same blocks: those reads come from the CPU's caches, so the
+distinct KV tokens read are a feature of their own."""
 
 
-def features(query_lens: list[int], context_lens: list[int], sampled: int) -> list[float]:
-    """A step's shape, in `FEATURES` order."""
+def features(step, sampled: int) -> list[float]:
+    """A step's shape (`StepInputs`), in `FEATURES` order."""
+    query_lens, context_lens = step.query_lens, step.context_lens
     decode_kv = sum(c for q, c in zip(query_lens, context_lens) if q == 1)
     prefill_attention = sum(q * c for q, c in zip(query_lens, context_lens) if q > 1)
-    return [1.0, float(sum(query_lens)), float(sampled), decode_kv / 1e3, prefill_attention / 1e6]
+    distinct = 0
+    if step.num_decodes:  # (decode rows come first) distinct blocks they read, the padding block aside
+        blocks = torch.unique(step.block_tables[0][: step.num_decodes].cpu())
+        distinct = (len(blocks) - int(bool((blocks == step.padding_slot // step.block_size).any()))) * step.block_size
+    return [1.0, float(sum(query_lens)), float(sampled), decode_kv / 1e3, distinct / 1e3, prefill_attention / 1e6]
 
 
 class StepProfile(msgspec.Struct, frozen=True):
@@ -49,19 +58,23 @@ class StepProfile(msgspec.Struct, frozen=True):
                 f"total, over {self.steps} steps")
 
 
-def fit(shapes: list[list[float]], seconds: list[float]) -> list[float]:
-    """Least squares with every coefficient >= 0: a feature whose coefficient comes out negative is dropped and
-    the rest fitted again."""
-    x, y = np.array(shapes), np.array(seconds)
-    keep = list(range(x.shape[1]))
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
-        if (coef >= 0).all() or len(keep) == 1:
-            out = [0.0] * x.shape[1]
-            for i, c in zip(keep, coef):
-                out[i] = max(0.0, float(c))
-            return out
-        keep.pop(int(np.argmin(coef)))
+def fit(shapes: list[list[float]], seconds: list[float], sweeps: int = 2000) -> list[float]:
+    """Least squares with every coefficient >= 0 (coordinate descent on the normal equations, the columns
+    scaled to unit norm first): correlated features share the cost instead of one going negative."""
+    x, y = np.array(shapes, dtype=float), np.array(seconds, dtype=float)
+    norms = np.linalg.norm(x, axis=0)
+    norms[norms == 0] = 1.0
+    a = x / norms
+    gram, target = a.T @ a, a.T @ y
+    b = np.zeros(x.shape[1])
+    for _ in range(sweeps):
+        before = b.copy()
+        for j in range(len(b)):
+            if gram[j, j] > 0:
+                b[j] = max(0.0, b[j] + (target[j] - gram[j] @ b) / gram[j, j])
+        if np.abs(b - before).max() <= 1e-12 * max(1.0, np.abs(b).max()):
+            break
+    return [float(c) for c in b / norms]
 
 
 def machine_tag() -> str:
@@ -106,7 +119,7 @@ class StepRecorder:
         t = time.perf_counter()
         result = self.forward(prepared, started)
         self.seconds.append(time.perf_counter() - t)
-        self.shapes.append(features(prepared.step.query_lens, prepared.step.context_lens, len(prepared.params)))
+        self.shapes.append(features(prepared.step, len(prepared.params)))
         return result
 
 
@@ -120,8 +133,10 @@ def calibration_workloads(vocab: int) -> list[list[tuple[list[int], int]]]:
     def requests(count: int, prompt: tuple[int, int], new: int):
         return [([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt))], new) for _ in range(count)]
 
+    shared = [rng.randrange(100, vocab) for _ in range(480)]
+    sharing = [(shared + [rng.randrange(100, vocab) for _ in range(rng.randint(8, 40))], 24) for _ in range(48)]
     return [requests(1, (16, 16), 48), requests(4, (200, 400), 48), requests(16, (32, 128), 40),
-            requests(64, (16, 256), 24), requests(64, (300, 600), 12), requests(4, (900, 1500), 8)]
+            requests(64, (16, 256), 24), requests(64, (300, 600), 12), requests(4, (900, 1500), 8), sharing]
 
 
 def calibrate(model, tokenizer, model_name: str, **config_fields) -> StepProfile:

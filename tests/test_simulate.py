@@ -10,12 +10,13 @@ import pytest
 from support import tiny_llama
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
-from jitney.bench.profile import StepProfile, features, fit, load_profile
+from jitney.bench.profile import StepProfile, fit, load_profile
 from jitney.bench.simulate import Arrival, Timeline, meta_model, simulate
 from jitney.core.hooks import hookimpl
 
-CONSTANT = StepProfile(model="tiny", machine="test", coefficients=[0.01, 0, 0, 0, 0], fit_error=0, total_error=0, steps=0)
-SHAPED = StepProfile(model="tiny", machine="test", coefficients=[1e-3, 2e-5, 1e-5, 1e-4, 1e-2], fit_error=0,
+CONSTANT = StepProfile(model="tiny", machine="test", coefficients=[0.01, 0, 0, 0, 0, 0], fit_error=0, total_error=0,
+                       steps=0)
+SHAPED = StepProfile(model="tiny", machine="test", coefficients=[1e-3, 2e-5, 1e-5, 1e-4, 2e-4, 1e-2], fit_error=0,
                      total_error=0, steps=0)
 
 
@@ -94,12 +95,14 @@ def test_virtual_time_is_the_sum_of_the_predicted_steps_and_arrivals_are_honoure
 
 def test_a_profile_fit_recovers_a_non_negative_cost_model():
     rng = random.Random(0)
-    truth = [0.004, 5e-4, 0.0, 2e-3, 0.3]
+    truth = [0.004, 5e-4, 0.0, 2e-3, 1e-3, 0.3]
     shapes, seconds = [], []
     for _ in range(200):
         q = [rng.randint(1, 64) if rng.random() < 0.2 else 1 for _ in range(rng.randint(1, 32))]
         ctx = [n + rng.randint(0, 500) for n in q]
-        shape = features(q, ctx, len(q))
+        decode_kv = sum(c for n, c in zip(q, ctx) if n == 1)
+        shape = [1.0, sum(q), len(q), decode_kv / 1e3, decode_kv * rng.random() / 1e3,  # (distinct: a share)
+                 sum(n * c for n, c in zip(q, ctx) if n > 1) / 1e6]
         shapes.append(shape)
         seconds.append(sum(c * x for c, x in zip(truth, shape)))
     coefficients = fit(shapes, seconds)
