@@ -264,9 +264,10 @@ class CacheManager:
         table, pool = self._tables[seq.request_id][0], self.pools[0]
         prev = hashes[-1] if hashes else 0
         for i in range(len(hashes), seq.num_computed // bs):
+            parent = prev if i else None
             prev = hash((prev, tuple(seq.tokens(i * bs, (i + 1) * bs))))
             hashes.append(prev)
-            pool.register(table[i], prev)
+            pool.register(table[i], prev, parent)
 
     def slide(self, request_id: str, num_computed: int) -> None:
         """Give back the blocks of sliding-window groups that no later query can see: every position up to

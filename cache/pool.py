@@ -14,7 +14,7 @@ log = logging.getLogger("jitney")
 class Block:
     """One block's bookkeeping (its KV lives in the cache tensors)."""
 
-    __slots__ = ("id", "ref_count", "hash", "created", "last_access", "hits", "version")
+    __slots__ = ("id", "ref_count", "hash", "created", "last_access", "hits", "version", "parent")
 
     def __init__(self, block_id: int):
         self.id = block_id
@@ -22,6 +22,7 @@ class Block:
         self.hash: int | None = None
         self.created = self.last_access = self.hits = 0
         self.version = 0  # bumped whenever the block leaves the cached set, to drop stale heap entries
+        self.parent: int | None = None  # the hash of the prefix this block's content extends, while hashed
 
 
 class BlockPool:
@@ -31,6 +32,10 @@ class BlockPool:
     hash are kept so a later request with the same prefix can take it back. Cached blocks count as
     available; when the free ones run out, the eviction policy picks which cached block is demoted (its hash
     dropped) and reused. The two reserved blocks are never allocated: padding tokens read and write there.
+
+    Cached blocks are demoted from the leaves of their prefix chains: never a block that a hashed block
+    extends, whatever the policy ranks (a prefix whose first block is gone can never be matched again, while
+    the rest of it would still count as cached).
 
     A policy that raises, or whose priorities do not compare, is replaced by the seed's rule (most recent
     first) for the rest of the pool's life, with one error logged: which block is demoted never changes a
@@ -49,6 +54,7 @@ class BlockPool:
         self._cached: set[int] = set()
         self._heap: list[tuple[Any, int, int, int]] = []  # (priority, tiebreak, block id, version)
         self.index: dict[int, int] = {}  # content hash -> block id, for every block holding hashed content
+        self.extended: dict[int, int] = {}  # content hash -> hashed blocks extending it (kept by content, not block)
         self.clock = 0
         self.demoted = 0
 
@@ -78,19 +84,37 @@ class BlockPool:
         return out
 
     def _demote(self) -> int:
+        passed = []  # blocks the policy ranked first that other hashed blocks extend: back in the heap after
         while True:
+            if not self._heap:  # each cached block is extended by one in use (a prefix computed twice at once)
+                entry = passed.pop(0)
+                block_id, block = entry[2], self.blocks[entry[2]]
+                break
             try:
-                _, _, block_id, version = heapq.heappop(self._heap)
+                entry = heapq.heappop(self._heap)
             except TypeError as exc:  # priorities that do not compare
                 self._replace_policy(exc)
+                passed = []  # (the heap is rebuilt from every cached block)
                 continue
+            block_id, version = entry[2], entry[3]
             block = self.blocks[block_id]
             if block_id in self._cached and block.version == version:
-                break
+                if not self.extended.get(block.hash):
+                    break
+                passed.append(entry)
+        for entry in passed:
+            heapq.heappush(self._heap, entry)
         self._cached.discard(block_id)
         block.version += 1
         del self.index[block.hash]
         block.hash = None
+        if block.parent is not None:
+            left = self.extended[block.parent] - 1
+            if left:
+                self.extended[block.parent] = left
+            else:
+                del self.extended[block.parent]
+            block.parent = None
         self.demoted += 1
         return block_id
 
@@ -137,12 +161,17 @@ class BlockPool:
                       for b in self._cached]
         heapq.heapify(self._heap)
 
-    def register(self, block_id: int, content_hash: int) -> bool:
-        """Record that a used block now holds the content `content_hash`; False if another block has it."""
+    def register(self, block_id: int, content_hash: int, parent_hash: int | None = None) -> bool:
+        """Record that a used block now holds the content `content_hash`, extending the prefix whose last block
+        holds `parent_hash` (None: the first block); False if another block has it."""
         if content_hash in self.index:
             return False
         self.index[content_hash] = block_id
-        self.blocks[block_id].hash = content_hash
+        block = self.blocks[block_id]
+        block.hash = content_hash
+        if parent_hash is not None:
+            block.parent = parent_hash
+            self.extended[parent_hash] = self.extended.get(parent_hash, 0) + 1
         return True
 
     def lookup(self, content_hash: int) -> int | None:

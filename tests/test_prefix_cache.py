@@ -236,3 +236,20 @@ async def test_seeded_parallel_samples_match_single_runs(llama):
         assert engine.num_free_blocks == 40
     assert [s.token_ids for s in together.samples] == [a.token_ids for a in alone]
     assert len({tuple(s.token_ids) for s in together.samples}) > 1
+
+
+@pytest.mark.parametrize("eviction", ["mru", "lru", "lfu", "fifo"])
+async def test_demotion_starts_at_the_leaves_of_a_cached_prefix_whatever_the_policy(llama, eviction):
+    """mru and fifo used to demote a prefix's first block: a repeated prompt then hit none of the 60 cached
+    tokens it still counted as cached. Two blocks forced out now cost the prefix its last two blocks only."""
+    prompt = [(7 * i) % 250 + 3 for i in range(64)]  # 16 blocks of 4
+    stats = Stats()
+    config = EngineConfig(block_size=4, num_blocks=20, eviction=eviction, safety_margin=0.0)
+    async with Engine(llama, config=config, plugins=[stats]) as engine:
+        first = await engine.generate(greedy(prompt, 1))  # 16 full blocks cached, the 17th freed: 4 free
+        await engine.generate(greedy([200] * 16, 9))  # 24 tokens computed, 6 blocks: the 4 free ones, 2 demoted
+        assert engine.cache.blocks_demoted == 2
+        again = await engine.generate(greedy(prompt, 1))
+    assert stats.started[first.request_id] == 0
+    assert stats.started[again.request_id] == 56  # 14 of its 15 matchable blocks: the 2 leaves went
+    assert again.token_ids == first.token_ids
