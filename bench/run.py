@@ -21,6 +21,8 @@ from jitney.core.hooks import hookimpl
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="mixed-64", choices=sorted(WORKLOADS))
+    parser.add_argument("--timeline", default=None, metavar="FILE.png",
+                        help="draw each jitney run's schedule (the mode appended to the name when several)")
     parser.add_argument("--trace", default=None, help="replay a JSONL trace instead, arrivals honoured (jitney modes only)")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--modes", default="jitney,hf-cb,hf-static",
@@ -165,7 +167,12 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
         fields["use_async_batching"] = True
     config = EngineConfig(**{**fields, **config_fields})
     stats = StepStats()
-    engine = Engine(model, tokenizer, config, plugins=[stats])
+    plugins: list = [stats]
+    if getattr(args, "timeline", None):
+        from jitney.plugins.timeline import ScheduleTimeline
+
+        plugins.append(schedule := ScheduleTimeline())
+    engine = Engine(model, tokenizer, config, plugins=plugins)
     arrivals = getattr(args, "arrivals", None)
     out: list[list[int]] = [[] for _ in work]
 
@@ -194,6 +201,10 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
             serving = time.perf_counter() - t0
 
     anyio.run(main)
+    if getattr(args, "timeline", None):
+        label = f"{eviction}-{'shared' if sharing else 'nocache'}"
+        path = args.timeline if getattr(args, "single_jitney_run", True) else args.timeline.replace(".png", f"-{label}.png")
+        schedule.draw(path, f"jitney: {getattr(args, 'workload', '')}, {len(work)} requests")
     return out, stats, serving
 
 
@@ -300,6 +311,7 @@ def main(args) -> int:
     print(f"memory read {first_read:.1f} GB/s; weights {weights / 1e6:.0f} MB -> one pass a token allows "
           f"{first_read * 1e9 / weights:.1f} tok/s on one stream")
     rows, outputs = [], {}
+    args.single_jitney_run = sum(label.startswith("jitney") for label, _ in runs(args)) <= 1  # (timeline names)
     for label, runner in runs(args):
         t = time.perf_counter()
         outputs[label], stats, wall = runner(model, tokenizer, work, args)  # wall: first request to last token

@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--profile", default=None, help="a profile file (default: this machine's, from `jitney calibrate`)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the rows to this file")
+    parser.add_argument("--timeline", default=None, metavar="FILE.png",
+                        help="draw each run's schedule (one file per (scheduler, eviction) pair when several)")
 
 
 @dataclass
@@ -204,12 +206,16 @@ async def _drain(stream) -> None:
             pass
 
 
-def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), **config_fields) -> dict:
-    """One simulated run of `work`: a `jitney bench`-style row."""
+def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timeline_path: str | None = None,
+             **config_fields) -> dict:
+    """One simulated run of `work`: a `jitney bench`-style row (and its schedule drawn to `timeline_path`)."""
     from jitney import Engine, EngineConfig
+    from jitney.plugins.timeline import ScheduleTimeline
 
     clock = VirtualClock()
     timeline = Timeline()
+    if timeline_path:
+        plugins = [*plugins, schedule := ScheduleTimeline()]
     config = EngineConfig(**{"check_model": False, "speculative_tokens": 0, **config_fields})
     engine = Engine(model, None, config, plugins=[timeline, *plugins], clock=clock)
     forward = engine.executor.forward = SimulatedForward(engine.executor, profile, clock)
@@ -221,6 +227,8 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), **con
             return await _drive(engine, clock, work, timeline)
 
     wall = anyio.run(main)
+    if timeline_path:
+        schedule.draw(timeline_path, f"simulated: {config.scheduler} / {config.eviction}, {len(work)} requests")
     out_tokens = timeline.generated
     return {
         "mode": f"sim[{config.scheduler}/{config.eviction}]", "scheduler": config.scheduler, "eviction": config.eviction,
@@ -250,16 +258,19 @@ def main(args: argparse.Namespace) -> int:
     name = args.trace or args.workload
     print(f"{name}: {len(work)} requests; cache {num_blocks} blocks; profile {profile.describe()}")
     rows = []
-    for scheduler in args.scheduler.split(","):
-        for eviction in args.eviction.split(","):
-            t = time.perf_counter()
-            row = simulate(model, work, profile, scheduler=scheduler, eviction=eviction, num_blocks=num_blocks,
-                           block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
-                           max_requests_per_batch=max(64, len(work)))
-            row["simulated_in_s"] = round(time.perf_counter() - t, 2)
-            rows.append(row)
-            print(f"  {row['mode']}: {row['wall_s']} s simulated, hit rate {row['prefix_hit_rate']:.0%}, "
-                  f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms ({row['simulated_in_s']} s to run)")
+    pairs = [(s, e) for s in args.scheduler.split(",") for e in args.eviction.split(",")]
+    for scheduler, eviction in pairs:
+        t = time.perf_counter()
+        picture = args.timeline
+        if picture and len(pairs) > 1:
+            picture = str(Path(picture).with_name(f"{Path(picture).stem}-{scheduler}-{eviction}{Path(picture).suffix}"))
+        row = simulate(model, work, profile, timeline_path=picture, scheduler=scheduler, eviction=eviction,
+                       num_blocks=num_blocks, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
+                       max_requests_per_batch=max(64, len(work)))
+        row["simulated_in_s"] = round(time.perf_counter() - t, 2)
+        rows.append(row)
+        print(f"  {row['mode']}: {row['wall_s']} s simulated, hit rate {row['prefix_hit_rate']:.0%}, "
+              f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms ({row['simulated_in_s']} s to run)")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"workload": name, "rows": rows}, indent=2))
     return 0

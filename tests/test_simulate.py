@@ -191,3 +191,19 @@ def test_a_chat_trace_simulates_with_prefix_hits(tiny_config, tmp_path):
     assert row["prefix_hit_rate"] > 0.3  # later turns reuse their session's context
     assert row["refused"] > 0  # sessions that outgrew the tiny model's 512-token context: refused, as served
     assert row["wall_s"] >= max(a.arrival_s for a in work)
+
+
+def test_the_schedule_timeline_shows_each_requests_states(tiny_config, tmp_path):
+    from jitney.plugins.timeline import DECODE, PREFILL, RESET, WAITING, ScheduleTimeline
+
+    schedule = ScheduleTimeline()
+    work = [Arrival([3 + i] * 6, 24) for i in range(8)]  # more than 12 blocks of 4 together: some are reset
+    path = tmp_path / "timeline.png"
+    row = simulate(meta_model(str(tiny_config)), work, SHAPED, plugins=[schedule], timeline_path=str(path),
+                   block_size=4, num_blocks=12, safety_margin=0.0)
+    assert row["preemptions"] > 0
+    states = [{state for _, _, state in runs} for runs in schedule.rows.values()]
+    assert len(states) == 8 and all({WAITING, PREFILL, DECODE} <= s for s in states)
+    assert any(RESET in s for s in states)
+    assert len(schedule.kv_usage) == row["steps"]
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
