@@ -14,7 +14,7 @@ log = logging.getLogger("jitney")
 class Block:
     """One block's bookkeeping (its KV lives in the cache tensors)."""
 
-    __slots__ = ("id", "ref_count", "hash", "created", "last_access", "hits", "version", "parent")
+    __slots__ = ("id", "ref_count", "hash", "created", "last_access", "hits", "version", "parent", "depth")
 
     def __init__(self, block_id: int):
         self.id = block_id
@@ -23,6 +23,7 @@ class Block:
         self.created = self.last_access = self.hits = 0
         self.version = 0  # bumped whenever the block leaves the cached set, to drop stale heap entries
         self.parent: int | None = None  # the hash of the prefix this block's content extends, while hashed
+        self.depth = 0  # its place in its prefix chain (0: a prompt's first block), while hashed
 
 
 class BlockPool:
@@ -48,6 +49,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.padding_block = num_blocks
         self.policy = policy or MostRecentFirst()
+        self._hooks = {}
         self.blocks = [Block(i) for i in range(num_blocks)]
         # A stack: the most recently freed block is reused first, while its memory is still warm.
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -57,6 +59,20 @@ class BlockPool:
         self.extended: dict[int, int] = {}  # content hash -> hashed blocks extending it (kept by content, not block)
         self.clock = 0
         self.demoted = 0
+        self._bind_hooks()
+        self._notify("setup", num_blocks)
+
+    def _bind_hooks(self) -> None:
+        """The policy's optional methods (`EvictionPolicy`), looked up once."""
+        self._hooks = {name: getattr(self.policy, name, None) for name in ("setup", "on_insert", "on_hit", "on_demote")}
+
+    def _notify(self, name: str, arg) -> None:
+        hook = self._hooks.get(name)
+        if hook is not None:
+            try:
+                hook(arg)
+            except Exception as exc:
+                self._replace_policy(exc)
 
     @property
     def num_free(self) -> int:
@@ -104,6 +120,7 @@ class BlockPool:
                 passed.append(entry)
         for entry in passed:
             heapq.heappush(self._heap, entry)
+        self._notify("on_demote", block)
         self._cached.discard(block_id)
         block.version += 1
         del self.index[block.hash]
@@ -127,6 +144,7 @@ class BlockPool:
         block.ref_count += 1
         block.hits += 1
         block.last_access = self._tick()
+        self._notify("on_hit", block)
 
     def share(self, block_id: int) -> None:
         """One more owner for a block in use (a forked sample)."""
@@ -144,6 +162,7 @@ class BlockPool:
                 self._free.append(block_id)
             else:
                 self._cached.add(block_id)
+                self._notify("on_insert", block)
                 try:
                     heapq.heappush(self._heap, (self.policy.priority(block), self.clock, block_id, block.version))
                 except Exception as exc:
@@ -157,6 +176,7 @@ class BlockPool:
         log.error("eviction policy %s failed: %s: %s; cached blocks are demoted most recent first from now on",
                   type(self.policy).__name__, type(exc).__name__, exc, exc_info=exc)
         self.policy = MostRecentFirst()
+        self._bind_hooks()
         self._heap = [(self.policy.priority(self.blocks[b]), self.blocks[b].last_access, b, self.blocks[b].version)
                       for b in self._cached]
         heapq.heapify(self._heap)
@@ -169,9 +189,12 @@ class BlockPool:
         self.index[content_hash] = block_id
         block = self.blocks[block_id]
         block.hash = content_hash
+        block.depth = 0
         if parent_hash is not None:
             block.parent = parent_hash
             self.extended[parent_hash] = self.extended.get(parent_hash, 0) + 1
+            parent = self.index.get(parent_hash)
+            block.depth = 0 if parent is None else self.blocks[parent].depth + 1
         return True
 
     def lookup(self, content_hash: int) -> int | None:

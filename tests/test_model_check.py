@@ -64,3 +64,10 @@ async def test_a_model_it_runs_passes_the_check():
         out = await engine.generate(Request([5, 6, 7, 8], SamplingParams(max_new_tokens=6, ignore_eos=True)))
         assert engine.num_free_blocks == 32  # the check gave its blocks back
     assert out.token_ids == ref
+
+
+async def test_a_cache_too_small_for_the_check_skips_it_with_a_warning(caplog):
+    model = tiny(T.LlamaConfig, T.LlamaForCausalLM, num_key_value_heads=2)
+    async with Engine(model, config=EngineConfig(num_blocks=1, block_size=4)) as engine:
+        assert engine.healthy
+    assert any("too small to check" in r.getMessage() for r in caplog.records)

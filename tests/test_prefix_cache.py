@@ -253,3 +253,62 @@ async def test_demotion_starts_at_the_leaves_of_a_cached_prefix_whatever_the_pol
     assert stats.started[first.request_id] == 0
     assert stats.started[again.request_id] == 56  # 14 of its 15 matchable blocks: the 2 leaves went
     assert again.token_ids == first.token_ids
+
+
+class Recording:
+    """A policy that records what the pool tells it (the optional methods of `EvictionPolicy`)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, object]] = []
+
+    def setup(self, num_blocks):
+        self.calls.append(("setup", num_blocks))
+
+    def on_insert(self, block):
+        self.calls.append(("insert", (block.hash, block.depth)))
+
+    def on_hit(self, block):
+        self.calls.append(("hit", block.depth))
+
+    def on_demote(self, block):
+        self.calls.append(("demote", block.hash))
+
+    def priority(self, block):
+        return block.last_access
+
+
+async def test_a_policy_is_told_of_inserts_hits_and_demotions_with_each_blocks_depth(llama):
+    policy = Recording()
+
+    class Registers:
+        @hookimpl
+        def jitney_register_eviction_policies(self, register):
+            register("recording", lambda config: policy)
+
+    prompt = list(range(30, 43))  # 3 full blocks of 4 and a partial one
+    config = EngineConfig(block_size=4, num_blocks=8, eviction="recording", safety_margin=0.0)
+    async with Engine(llama, config=config, plugins=[Registers()]) as engine:
+        await engine.generate(greedy(prompt, 1))
+        await engine.generate(greedy(prompt, 1))  # hits its 3 cached blocks
+        await engine.generate(greedy([200] * 23, 9))  # 8 blocks: every cached block is demoted
+    kinds = [k for k, _ in policy.calls]
+    assert policy.calls[0] == ("setup", 8)
+    inserted = [v for k, v in policy.calls if k == "insert"]
+    assert sorted(depth for _, depth in inserted[:3]) == [0, 1, 2]  # a prompt's chain, first block at 0
+    assert [v for k, v in policy.calls if k == "hit"] == [0, 1, 2]
+    assert kinds.count("demote") >= 3 and all(v is not None for k, v in policy.calls if k == "demote")
+
+
+@pytest.mark.parametrize("eviction", ["2q", "lru"])
+async def test_2q_keeps_a_reused_prefix_through_a_burst_of_one_off_prompts(llama, eviction):
+    shared = list(range(20, 44))  # 6 blocks of 4
+    stats = Stats()
+    config = EngineConfig(block_size=4, num_blocks=24, eviction=eviction, safety_margin=0.0)
+    async with Engine(llama, config=config, plugins=[stats]) as engine:
+        for tail in ([1], [2]):  # computed, then reused: a prefix worth keeping
+            await engine.generate(greedy(shared + tail, 1))
+        for i in range(6):  # one-off prompts, 24 tokens each, seen once: more than the cache holds
+            await engine.generate(greedy([60 + 10 * i + k % 7 for k in range(24)], 1))
+        last = await engine.generate(greedy(shared + [3], 1))
+    kept = stats.started[last.request_id]
+    assert kept == (24 if eviction == "2q" else 0)
