@@ -11,8 +11,9 @@ import anyio
 def _generate(args: argparse.Namespace) -> int:
     from jitney import Engine, EngineConfig, Request, SamplingParams
 
-    engine = Engine.from_pretrained(args.model, config=EngineConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
-                                                                     speculative_tokens=args.speculative_tokens))
+    engine = Engine.from_pretrained(args.model, config=EngineConfig(
+        max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, speculative_tokens=args.speculative_tokens,
+        scheduler=args.scheduler, eviction=args.eviction))
     tok = engine.tokenizer
     prompt: str | list[int] = args.prompt
     if not args.raw and tok is not None and tok.chat_template:
@@ -40,6 +41,11 @@ def _setup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _policy_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scheduler", default="fifo", help="a registered scheduler (see `jitney plugins`)")
+    parser.add_argument("--eviction", default="mru", help="a registered eviction policy (see `jitney plugins`)")
+
+
 def _speculation_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-tokens", type=int, default=None,
                         help="tokens an int8 draft proposes per greedy decode on CPU (default 4 where it applies; 0: off)")
@@ -50,7 +56,8 @@ def _serve(args: argparse.Namespace) -> int:
     from jitney.serve.app import serve
 
     config = EngineConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
-                          cpu_offload_space=args.cpu_offload_space, speculative_tokens=args.speculative_tokens)
+                          cpu_offload_space=args.cpu_offload_space, speculative_tokens=args.speculative_tokens,
+                          scheduler=args.scheduler, eviction=args.eviction)
     serve(args.model, args.host, args.port, args.api_key, args.max_waiting, config, max_n=args.max_n,
           record_trace=args.record_trace)
     return 0
@@ -119,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-batch-tokens", type=int, default=256)
     gen.add_argument("--num-blocks", type=int, default=256)
     _speculation_argument(gen)
+    _policy_arguments(gen)
     gen.set_defaults(func=_generate)
 
     setup = sub.add_parser("setup", help="convert the embedded SmolLM2 once (print where it is cached) and build the C++ CPU kernels")
@@ -139,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from free memory)")
     srv.add_argument("--cpu-offload-space", type=float, default=1.0, help="GiB of swap pool for preempted requests")
     _speculation_argument(srv)
+    _policy_arguments(srv)
     srv.set_defaults(func=_serve)
 
     online = sub.add_parser("bench-online", help="Poisson arrivals of streaming clients against a server")

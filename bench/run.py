@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(speculative decoding off), hf-cb (transformers continuous batching), hf-static "
                              "(transformers generate)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies: one jitney run each")
+    parser.add_argument("--scheduler", default="fifo", help="jitney's scheduler (a registered name)")
     parser.add_argument("--num-blocks", type=int, default=None, help="jitney's cache size (default: the whole workload fits)")
     parser.add_argument("--cache-share", type=float, default=None,
                         help="jitney's cache as a share of what the workload needs at once (e.g. 0.25)")
@@ -162,6 +163,7 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
     fields = dict(max_batch_tokens=args.max_batch_tokens, block_size=args.block_size, num_blocks=num_blocks,
                   max_requests_per_batch=max(64, len(work)), eviction=eviction, allow_block_sharing=sharing,
                   cpu_offload_space=args.cpu_offload_space, safety_margin=args.safety_margin,
+                  scheduler=getattr(args, "scheduler", "fifo"),
                   attention_backend=attention or args.attention)
     if getattr(args, "async_batching", False):
         fields["use_async_batching"] = True
@@ -188,7 +190,10 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
                 if arrivals:
                     await anyio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
                 last = time.perf_counter()
-                async for tok in engine.stream(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))):
+                extra = {}
+                if getattr(args, "replay", None):
+                    extra = {"priority": args.replay[i].priority, "metadata": args.replay[i].metadata}
+                async for tok in engine.stream(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), **extra)):
                     now = time.perf_counter()
                     if out[i]:
                         stats.gaps.append(now - last)
@@ -294,6 +299,7 @@ def main(args) -> int:
             raise ValueError("--trace replays through jitney's modes only (transformers' take no arrival times)")
         replay = materialize(read_trace(args.trace), vocab)
         work, args.arrivals = [(a.prompt, a.output_tokens) for a in replay], [a.arrival_s for a in replay]
+        args.replay = replay  # (priorities and metadata)
         args.workload = args.trace
     elif args.workload == "long-prompt":
         work = long_prompt(vocab, args.max_batch_tokens)

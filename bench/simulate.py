@@ -50,6 +50,7 @@ class Arrival:
     output_tokens: int
     arrival_s: float = 0.0
     priority: int = 0
+    metadata: dict | None = None
 
 
 class VirtualClock:
@@ -125,6 +126,8 @@ class Timeline:
     preemptions: int = 0
     refused: int = 0
     generated: int = 0
+    tenant_of: dict[str, str] = field(default_factory=dict)  # request id -> metadata["tenant"], where given
+    ttft_by_tenant: dict[str, list[float]] = field(default_factory=dict)
     _last: dict[str, float] = field(default_factory=dict)
 
     @hookimpl
@@ -138,6 +141,8 @@ class Timeline:
                 self._last[e.request_id] = e.t
             elif isinstance(e, ev.FirstToken):
                 self.ttft.append(e.ttft)
+                if e.request_id in self.tenant_of:
+                    self.ttft_by_tenant.setdefault(self.tenant_of[e.request_id], []).append(e.ttft)
             elif isinstance(e, ev.RequestFinished):
                 self._last.pop(e.request_id, None)
             elif isinstance(e, ev.StepCompleted):
@@ -191,11 +196,13 @@ async def _drive(engine, clock: VirtualClock, work: list[Arrival], timeline: Tim
                     await anyio.sleep(0)  # a step goes on
             params = SamplingParams(max_new_tokens=item.output_tokens, ignore_eos=True)
             try:
-                stream = engine.stream(Request(item.prompt, params, priority=item.priority))
+                stream = engine.stream(Request(item.prompt, params, priority=item.priority, metadata=item.metadata))
             except ValueError:  # past the model's context or the whole cache: what a server answers 400
                 timeline.refused += 1
                 continue
             stream.collector.samples[0].t_queued = item.arrival_s  # (it arrived then, whatever step was running)
+            if item.metadata and "tenant" in item.metadata:
+                timeline.tenant_of[stream.request_id] = str(item.metadata["tenant"])
             tg.start_soon(_drain, stream)
     return clock.now - start
 
@@ -230,6 +237,8 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timel
     if timeline_path:
         schedule.draw(timeline_path, f"simulated: {config.scheduler} / {config.eviction}, {len(work)} requests")
     out_tokens = timeline.generated
+    tenants = {name: {"requests": len(v), "ttft_p50_ms": percentile_ms(v, 0.5), "ttft_p99_ms": percentile_ms(v, 0.99)}
+               for name, v in sorted(timeline.ttft_by_tenant.items())}
     return {
         "mode": f"sim[{config.scheduler}/{config.eviction}]", "scheduler": config.scheduler, "eviction": config.eviction,
         "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1) if wall > 0 else math.inf,
@@ -237,6 +246,7 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timel
         "steps": forward.steps, "preemptions": timeline.preemptions, "refused": timeline.refused,
         "ttft_p50_ms": percentile_ms(timeline.ttft, 0.5), "ttft_p99_ms": percentile_ms(timeline.ttft, 0.99),
         "itl_p50_ms": percentile_ms(timeline.gaps, 0.5), "itl_p99_ms": percentile_ms(timeline.gaps, 0.99),
+        **({"tenants": tenants} if tenants else {}),
     }
 
 
@@ -271,6 +281,8 @@ def main(args: argparse.Namespace) -> int:
         rows.append(row)
         print(f"  {row['mode']}: {row['wall_s']} s simulated, hit rate {row['prefix_hit_rate']:.0%}, "
               f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms ({row['simulated_in_s']} s to run)")
+        for name, t in row.get("tenants", {}).items():
+            print(f"      tenant {name}: {t['requests']} requests, TTFT p50 {t['ttft_p50_ms']} ms, p99 {t['ttft_p99_ms']} ms")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"workload": name, "rows": rows}, indent=2))
     return 0

@@ -104,7 +104,8 @@ def materialize(requests: list[TraceRequest], vocab: int) -> list[Arrival]:
             prompt = _ids(f"group {r.prefix_group}", r.prefix_tokens, vocab) + _ids(f"request {i}", r.prompt_tokens - r.prefix_tokens, vocab)
         else:
             prompt = _ids(f"request {i}", r.prompt_tokens, vocab)
-        out.append(Arrival(prompt, r.output_tokens, r.arrival_s, r.priority))
+        out.append(Arrival(prompt, r.output_tokens, r.arrival_s, r.priority,
+                           r.metadata if isinstance(r.metadata, dict) else None))
     return out
 
 
@@ -161,7 +162,21 @@ def sharegpt_poisson(count: int, rate: float, seed: int = 0) -> list[TraceReques
             for t in _arrivals(rng, count, rate)]
 
 
-GENERATORS = {"chat-sessions": chat_sessions, "agentic": agentic, "bursty": bursty, "sharegpt": sharegpt_poisson}
+def two_tenants(count: int, rate: float, seed: int = 0) -> list[TraceRequest]:
+    """Two tenants (`metadata.tenant`): "batch" sends 90% of the requests as an early burst of long jobs (all
+    within the first tenth of the trace), "chat" the rest, short, at a steady Poisson `rate`."""
+    rng = random.Random(seed)
+    chats = max(1, count // 10)
+    span = chats / rate
+    out = [TraceRequest(arrival_s=round(t, 4), prompt_tokens=rng.randint(20, 80), output_tokens=rng.randint(16, 48),
+                        metadata={"tenant": "chat"}) for t in _arrivals(rng, chats, rate)]
+    out += [TraceRequest(arrival_s=round(rng.uniform(0, span / 10), 4), prompt_tokens=rng.randint(200, 600),
+                         output_tokens=rng.randint(100, 300), metadata={"tenant": "batch"}) for _ in range(count - chats)]
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+GENERATORS = {"chat-sessions": chat_sessions, "agentic": agentic, "bursty": bursty, "sharegpt": sharegpt_poisson,
+              "two-tenants": two_tenants}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -96,12 +96,14 @@ def registry(pm: pluggy.PluginManager, role: str) -> "Registry":
 
 
 def describe_plugins(pm: pluggy.PluginManager) -> list[tuple[str, str, str]]:
-    """(role, name, providing distribution) for every registered plugin."""
+    """(role, name, providing distribution) for every registered plugin, observers of the events included."""
     dists = {pm.get_name(plugin): f"{dist.project_name} {dist.version}" for plugin, dist in pm.list_plugin_distinfo()}
     rows = []
     for role in ROLES:
         reg = registry(pm, role)
         rows += [(role, name, dists.get(reg.providers[name], "registered in code")) for name in sorted(reg.factories)]
+    for impl in pm.hook.jitney_on_events.get_hookimpls():
+        rows.append(("observer", impl.plugin_name, dists.get(impl.plugin_name, "registered in code")))
     return rows
 
 

@@ -72,6 +72,9 @@ class Request:
     `Completion.request_id`) and leaves this object as it is, so it can be submitted again."""
     priority: int = 0
     """Priority class: lower runs first where a scheduler honours it (`Priority.INTERACTIVE` = 0)."""
+    metadata: dict | None = None
+    """Anything the caller wants a scheduler or an observer to see (`seq.request.metadata`), e.g. a tenant for a
+    fair-share policy; the server fills it from OpenAI's `user` and `metadata` fields."""
 
 
 class RequestStatus(enum.Enum):

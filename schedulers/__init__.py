@@ -2,11 +2,12 @@
 
 from jitney.core.hooks import hookimpl
 from jitney.schedulers.base import Batch, BatchBuilder, CacheView, Scheduler, decodes, decodes_then_prefills, prefills
+from jitney.schedulers.fair_share import FairShareScheduler
 from jitney.schedulers.fifo import FifoScheduler, PrefillFirstScheduler
 from jitney.schedulers.priority import PriorityScheduler
 
 __all__ = [
-    "Batch", "BatchBuilder", "CacheView", "FifoScheduler", "PrefillFirstScheduler", "PriorityScheduler",
+    "Batch", "BatchBuilder", "CacheView", "FairShareScheduler", "FifoScheduler", "PrefillFirstScheduler", "PriorityScheduler",
     "Scheduler", "decodes", "decodes_then_prefills", "prefills",
 ]
 
@@ -16,3 +17,4 @@ def jitney_register_schedulers(register):
     register("fifo", FifoScheduler)
     register("prefill_first", PrefillFirstScheduler)
     register("priority", PriorityScheduler)
+    register("fair_share", FairShareScheduler)

@@ -93,7 +93,7 @@ class _Server:
                 ids = await self._tokenize(self._encode, body.prompt)
             else:
                 ids = body.prompt
-            stream = self._submit(ids, params)
+            stream = self._submit(ids, params, body)
         return await self._respond(request, body, stream, chat=False)
 
     async def chat(self, request: HttpRequest) -> Response:
@@ -105,7 +105,7 @@ class _Server:
             limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             room = min(1024, self.max_tokens or 1024, self.engine.max_context - len(ids))
             params = sampling(body, limit, max(1, room))
-            stream = self._submit(ids, params)
+            stream = self._submit(ids, params, body)
         return await self._respond(request, body, stream, chat=True)
 
     async def _admit(self, request: HttpRequest, kind: type):
@@ -151,10 +151,12 @@ class _Server:
         except Exception as exc:  # the template's own message (e.g. roles out of order)
             raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
 
-    def _submit(self, ids: list[int], params) -> TokenStream:
+    def _submit(self, ids: list[int], params, body) -> TokenStream:
         self._check_running()  # (again: tokenizing took a while)
+        metadata = {**(body.metadata or {}), **({"user": body.user} if body.user is not None else {})} or None
         try:
-            return self.engine.stream(Request(ids, params, request_id=f"cmpl-{uuid.uuid4().hex[:20]}"))
+            return self.engine.stream(Request(ids, params, request_id=f"cmpl-{uuid.uuid4().hex[:20]}",
+                                              metadata=metadata))
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
 

@@ -189,7 +189,8 @@ def request_bodies(model_name: str, max_n: int, vocab_size: int, max_tokens: int
         n: n_type = 1
         stream: bool = False
         stream_options: StreamOptions | None = None
-        user: str | None = None  # an end-user id for the caller's own records; accepted and ignored
+        user: str | None = None  # an end-user id: the request's metadata["user"], for schedulers and logs
+        metadata: dict[str, str] | None = None  # OpenAI's request metadata: the request's metadata too
 
     class CompletionBody(_Common, kw_only=True):
         prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[token_id], Meta(min_length=1)]

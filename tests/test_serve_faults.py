@@ -358,3 +358,14 @@ def test_fuzz_the_api(case, fuzz_url):
     case.call_and_validate(base_url=fuzz_url, headers=AUTH, timeout=60, checks=[
         not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance,
         negative_data_rejection])
+
+
+def test_user_and_metadata_reach_the_engine_as_request_metadata(server, monkeypatch):
+    url, engine, _ = server
+    seen = []
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda req: seen.append(req.metadata) or submit(req))
+    answer = post(url, {"prompt": "Hello", "max_tokens": 2, "user": "u1", "metadata": {"tenant": "a"}})
+    assert answer.status_code == 200, answer.text
+    assert seen == [{"tenant": "a", "user": "u1"}]
+    assert post(url, {"prompt": "Hello", "max_tokens": 2, "metadata": {"tenant": 3}}).status_code == 400
