@@ -54,6 +54,8 @@ class StepProfile(msgspec.Struct, frozen=True):
         return max(0.0, sum(c * x for c, x in zip(self.coefficients, shape)))
 
     def describe(self) -> str:
+        if not self.steps:
+            return f"{self.model} on {self.machine} (not fitted)"
         return (f"{self.model} on {self.machine}: fit error {self.fit_error:.1%} a step, {self.total_error:+.1%} in "
                 f"total, over {self.steps} steps")
 
@@ -168,14 +170,53 @@ def calibrate(model, tokenizer, model_name: str, **config_fields) -> StepProfile
                        total_error=round(sum(predicted) / sum(seconds) - 1, 4), steps=len(shapes))
 
 
+def analytic(model, tflops: float, gbps: float, dtype_bytes: int = 2, name: str = "model",
+             step_overhead_s: float = 0.0) -> StepProfile:
+    """A profile for hardware you do not have, from its peak matmul rate (TFLOP/s) and memory bandwidth (GB/s):
+    a step reads every weight once; each query token costs 2 FLOPs a weight (the LM head only for sampled rows);
+    a decode row reads its KV; prefill attention costs 4 FLOPs per layer, head, head dimension and query x key
+    pair. Compute and memory are added, not overlapped: an upper bound for the device's own work; what the host
+    adds per step (kernel launches, Python) is `step_overhead_s`, to be measured. `model`: any (meta) model."""
+    mc = model.config.get_text_config()
+    heads = mc.num_attention_heads
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
+    kv_heads = getattr(mc, "num_key_value_heads", None) or heads
+    params = sum(p.numel() for p in model.parameters())
+    head = mc.hidden_size * mc.vocab_size  # the LM head (tied or not, computed for sampled rows only)
+    per_token = 2 * (params - 2 * head if not getattr(mc, "tie_word_embeddings", False) else params - head)
+    flop_s, byte_s = tflops * 1e12, gbps * 1e9
+    kv_per_token = 2 * mc.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+    coefficients = [params * dtype_bytes / byte_s + step_overhead_s, max(0, per_token) / flop_s, 2 * head / flop_s,
+                    kv_per_token * 1e3 / byte_s, 0.0, 4 * mc.num_hidden_layers * heads * head_dim * 1e6 / flop_s]
+    return StepProfile(model=name, machine=f"analytic: {tflops:g} TFLOP/s, {gbps:g} GB/s, {dtype_bytes}-byte weights",
+                       coefficients=coefficients, fit_error=0.0, total_error=0.0, steps=0)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help='"smollm2" or a checkpoint folder')
+    parser.add_argument("--model", default="smollm2", help='"smollm2" or a checkpoint folder (a config.json with --analytic)')
     parser.add_argument("--out", default=None, help="where to write the profile (default: the jitney cache)")
+    parser.add_argument("--analytic", action="store_true",
+                        help="no timing: a profile from --tflops and --gbps (hardware you do not have; needs --out)")
+    parser.add_argument("--tflops", type=float, default=None, help="peak dense matmul TFLOP/s at the weights' type")
+    parser.add_argument("--gbps", type=float, default=None, help="memory bandwidth, GB/s")
+    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes a weight and a KV value (2: bf16)")
+    parser.add_argument("--step-overhead-ms", type=float, default=0.0,
+                        help="host time a step adds (launches, Python): not modelled, give what you measured")
 
 
 def main(args: argparse.Namespace) -> int:
     from jitney.core.models import load_model
 
+    if args.analytic:
+        from jitney.bench.simulate import meta_model
+
+        if not (args.tflops and args.tflops > 0 and args.gbps and args.gbps > 0 and args.out):
+            raise ValueError("--analytic needs --tflops > 0, --gbps > 0 and --out FILE")
+        profile = analytic(meta_model(args.model), args.tflops, args.gbps, args.dtype_bytes, args.model,
+                           args.step_overhead_ms / 1000)
+        Path(args.out).write_bytes(msgspec.json.encode(profile))
+        print(f"{profile.describe()}; written to {args.out}")
+        return 0
     model, tokenizer = load_model(args.model)
     t = time.perf_counter()
     profile = calibrate(model, tokenizer, args.model)

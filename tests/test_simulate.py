@@ -243,3 +243,17 @@ async def test_request_metadata_is_what_a_scheduler_sees():
                       plugins=[Registers()]) as engine:
         await engine.generate(Request([4, 5], SamplingParams(max_new_tokens=2), metadata={"tenant": "a"}))
     assert seen and seen[0] == {"tenant": "a"}
+
+
+def test_an_analytic_profile_follows_the_hardware_figures(tiny_config):
+    from jitney.bench.profile import analytic
+
+    model = meta_model(str(tiny_config))
+    params = sum(p.numel() for p in model.parameters())
+    slow, fast = analytic(model, 1.0, 100.0), analytic(model, 2.0, 200.0, step_overhead_s=0.001)
+    assert slow.coefficients[0] == pytest.approx(params * 2 / 100e9)  # every weight read once a step
+    assert fast.coefficients[0] == pytest.approx(params * 2 / 200e9 + 0.001)
+    assert fast.coefficients[1:] == pytest.approx([c / 2 for c in slow.coefficients[1:]])
+    work = [Arrival([5, 6, 7, 8], 16) for _ in range(8)]
+    rows = [simulate(model, work, p, block_size=4, num_blocks=64) for p in (slow, analytic(model, 2.0, 200.0))]
+    assert rows[1]["wall_s"] == pytest.approx(rows[0]["wall_s"] / 2, rel=0.02)  # twice the hardware, half the time
