@@ -22,7 +22,7 @@ def test_builtins_are_loaded_from_the_jitney_entry_point_group():
 
 
 def test_unknown_scheduler_lists_the_registered_names(llama):
-    with pytest.raises(ValueError, match="unknown scheduler 'fifoo'; registered: fifo"):
+    with pytest.raises(ValueError, match="unknown scheduler 'fifoo'; registered: fair_share, fifo"):
         Engine(llama, config=EngineConfig(scheduler="fifoo", num_blocks=8))
     with pytest.raises(ValueError, match="unknown attention backend 'cuda'; registered: cpu, torch, triton"):
         Engine(llama, config=EngineConfig(attention_backend="cuda", num_blocks=8))
