@@ -221,7 +221,7 @@ class Engine:
         self._arrivals += 1
         self.requests[request_id] = seq.collector
         self.waiting.append(seq)
-        self.events.append(ev.RequestQueued(t=seq.t_queued, request_id=seq.request_id,
+        self.events.append(ev.RequestQueued(t=seq.t_queued, step=self.step_count + 1, request_id=seq.request_id,
                                              prompt_tokens=len(prompt_ids), max_new_tokens=request.params.max_new_tokens))
         self._wake.set()
         return seq.collector
@@ -313,7 +313,8 @@ class Engine:
                 bisect.insort(self.active, seq, key=lambda s: s.arrival)
                 queried += seq.num_tokens
                 hit += seq.num_computed
-                self.events.append(ev.PrefillStarted(t=t0, request_id=seq.request_id, cached_tokens=seq.num_computed))
+                self.events.append(ev.PrefillStarted(t=t0, step=self.step_count + 1, request_id=seq.request_id,
+                                                     cached_tokens=seq.num_computed))
         forward = self._forward
         try:
             drafts = self._speculation(entries) if self.speculate else 0
@@ -418,7 +419,7 @@ class Engine:
             free_blocks=self.cache.num_free_blocks, total_blocks=self.cache.num_blocks,
             prefix_query_tokens=queried, prefix_hit_tokens=hit, blocks_demoted=self.cache.blocks_demoted - marks[0],
             preemptions=self.preempter.total - marks[1], offloaded=len(self.preempter.offloaded), ahead=ahead,
-            draft_tokens=drafted, accepted_tokens=accepted,
+            draft_tokens=drafted, accepted_tokens=accepted, batch=tuple((s.request_id, n) for s, n in entries),
         ))
         self._flush_events()
 
@@ -439,6 +440,7 @@ class Engine:
         # taken here rather than through `_emit` (a call per request; measured cold, as after a real forward,
         # each object touched costs about as much as the work on it).
         now = self.clock()
+        step = self.step_count + 1
         cache = self.cache
         bs = cache.block_size
         sliding = cache.sliding
@@ -456,7 +458,7 @@ class Engine:
                 out = seq.output_ids
                 out.append(tok)
                 count = len(out)
-                events.append(generated(t=now, request_id=seq.request_id, tokens=1, total=count))
+                events.append(generated(t=now, step=step, request_id=seq.request_id, tokens=1, total=count))
                 woken.append(seq.collector)  # (its consumer reads the token from `output_ids`)
                 if tok in seq.stop_ids or (seq.stop_strings and self._hit_stop_string(seq)):
                     self._finish(seq, "stop")
@@ -470,11 +472,12 @@ class Engine:
                 cache.commit(seq)
             if sliding:
                 cache.slide(seq.request_id, computed)
-            if drawn is None:
-                events.append(ev.PrefillChunk(t=now, request_id=seq.request_id, tokens=n, computed=computed))
-            elif status is decoding:
+            if status is decoding:
                 self._emit(seq, drawn[0], now)
-            else:
+                continue
+            events.append(ev.PrefillChunk(t=now, step=step, request_id=seq.request_id, tokens=n, computed=computed,
+                                          recompute=bool(seq.output_ids)))
+            if drawn is not None:
                 self._first_tokens(seq, drawn, now)
         self._wake_streams()
 
@@ -512,7 +515,8 @@ class Engine:
     def _first_token(self, seq: Sequence, now: float) -> None:
         if seq.t_first_token is None:
             seq.t_first_token = now
-            self.events.append(ev.FirstToken(t=now, request_id=seq.request_id, ttft=now - seq.t_queued))
+            self.events.append(ev.FirstToken(t=now, step=self.step_count + 1, request_id=seq.request_id,
+                                             ttft=now - seq.t_queued))
 
     def _wake_streams(self) -> None:
         """Wake the consumers of this step's tokens (a request's samples share one: woken again, it is awake)."""
@@ -534,7 +538,8 @@ class Engine:
         out = seq.output_ids
         out.append(tok)
         count = len(out)
-        self.events.append(ev.TokensGenerated(t=now, request_id=seq.request_id, tokens=1, total=count))
+        self.events.append(ev.TokensGenerated(t=now, step=self.step_count + 1, request_id=seq.request_id, tokens=1,
+                                              total=count))
         woken = self._woken
         if not woken or woken[-1] is not seq.collector:  # (a speculative step emits a few tokens in a row)
             woken.append(seq.collector)
@@ -561,8 +566,9 @@ class Engine:
         seq.status = {"error": RequestStatus.FAILED, "cancelled": RequestStatus.CANCELLED}.get(reason, RequestStatus.FINISHED)
         now = self.clock()
         if error is not None:
-            self.events.append(ev.RequestFailed(t=now, request_id=seq.request_id, error=error))
-        self.events.append(ev.RequestFinished(
+            self.events.append(ev.RequestFailed(t=now, step=self.step_count + 1, request_id=seq.request_id,
+                                                error=error))
+        self.events.append(ev.RequestFinished(step=self.step_count + 1,
             t=now, request_id=seq.request_id, finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
             output_tokens=len(seq.output_ids), latency=now - seq.t_queued,
         ))

@@ -19,6 +19,9 @@ class Event(msgspec.Struct, frozen=True, tag=True, kw_only=True, gc=False):
     0.94 / 1.18 / 1.10.)"""
 
     t: float
+    step: int = 0
+    """The step this event belongs to: a step's events carry its number (its `StepCompleted.step`); an event
+    between steps (a request queued, or aborted, while no step ran) the number of the next step."""
 
 
 class RequestQueued(Event, frozen=True):
@@ -34,11 +37,15 @@ class PrefillStarted(Event, frozen=True):
 
 
 class PrefillChunk(Event, frozen=True):
+    """Prompt tokens computed in a step: one per chunk, the prompt's last included (with its `FirstToken`)."""
+
     request_id: str
     tokens: int
     """Prompt tokens computed in this step."""
     computed: int
     """Tokens in the cache after this step."""
+    recompute: bool = False
+    """Tokens computed before (a request prefilling its prompt and outputs again after a soft reset)."""
 
 
 class FirstToken(Event, frozen=True):
@@ -88,7 +95,6 @@ class RequestSoftReset(Event, frozen=True):
 
 
 class StepCompleted(Event, frozen=True):
-    step: int
     requests: int
     prefill_tokens: int
     decode_tokens: int
@@ -117,6 +123,8 @@ class StepCompleted(Event, frozen=True):
     """Speculative decoding: tokens the draft proposed this step (`EngineConfig.speculative_tokens`)."""
     accepted_tokens: int = 0
     """Of those, tokens the model agreed with: each one a token more than a decode step gives."""
+    batch: tuple[tuple[str, int], ...] = ()
+    """(request id, tokens computed) of each request in the step, in the scheduler's order."""
 
 
 AnyEvent = Union[

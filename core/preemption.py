@@ -111,7 +111,8 @@ class Preempter:
             if seq.request_id in store:
                 self._stored[seq.request_id] = cache.blocks_held(seq.request_id)
                 bisect.insort(self.offloaded, seq, key=_by_arrival)
-                self.engine.events.append(ev.RequestOffloaded(t=now, request_id=seq.request_id, blocks=self._stored[seq.request_id]))
+                self.engine.events.append(ev.RequestOffloaded(
+                    t=now, step=self.engine.step_count + 1, request_id=seq.request_id, blocks=self._stored[seq.request_id]))
             else:
                 self._soft_reset(seq, now)
             cache.release(seq.request_id)
@@ -138,13 +139,15 @@ class Preempter:
                 continue
             cache.commit(seq)  # its blocks are hashed anew (the engine hashes only as blocks complete)
             bisect.insort(self.engine.active, seq, key=_by_arrival)
-            self.engine.events.append(ev.RequestResumed(t=now, request_id=seq.request_id, blocks=blocks))
+            self.engine.events.append(ev.RequestResumed(t=now, step=self.engine.step_count + 1, request_id=seq.request_id,
+                                                        blocks=blocks))
 
     def _soft_reset(self, seq: Sequence, now: float) -> None:
         seq.num_computed = 0
         seq.status = RequestStatus.PENDING
         bisect.insort(self.engine.waiting, seq, key=_by_arrival)
-        self.engine.events.append(ev.RequestSoftReset(t=now, request_id=seq.request_id, tokens=seq.num_tokens))
+        self.engine.events.append(ev.RequestSoftReset(t=now, step=self.engine.step_count + 1, request_id=seq.request_id,
+                                                      tokens=seq.num_tokens))
 
     def _call(self, method: str, fn, default):
         """`fn()`, one call into the offload backend; if it raises, the error is reported with the backend's

@@ -62,3 +62,47 @@ async def test_observers_get_each_steps_events_in_one_call(llama):
     # Events round-trip through msgpack for traces, tagged by type.
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(everything), type=list[ev.AnyEvent])
     assert decoded == everything
+
+
+async def test_every_event_carries_its_step_and_every_prefill_chunk_is_published(llama):
+    batches: list[list[ev.Event]] = []
+
+    class Observer:
+        @hookimpl
+        def jitney_on_events(self, events, engine):
+            batches.append(list(events))
+
+    work = random_requests(6, llama.config.vocab_size, max_prompt=40, max_new=5, seed=4)
+    config = EngineConfig(max_batch_tokens=16, block_size=4, num_blocks=64, speculative_tokens=0)
+    async with Engine(llama, config=config, plugins=[Observer()]) as engine:
+        async with anyio.create_task_group() as tg:
+            for prompt, n in work:
+                tg.start_soon(engine.generate, Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)))
+    for batch in batches:
+        done = [e for e in batch if isinstance(e, ev.StepCompleted)]
+        if done:  # a step's events carry its number
+            assert {e.step for e in batch} == {done[0].step}
+    steps = [e for b in batches for e in b if isinstance(e, ev.StepCompleted)]
+    chunks = [e for b in batches for e in b if isinstance(e, ev.PrefillChunk)]
+    assert sum(c.tokens for c in chunks) == sum(len(p) for p, _ in work)  # every prompt token, in chunks
+    assert [sum(n for _, n in s.batch) for s in steps] == [s.prefill_tokens + s.decode_tokens for s in steps]
+    assert not any(c.recompute for c in chunks)  # nothing was reset
+
+
+async def test_a_prefill_again_after_a_soft_reset_is_marked_as_recomputation(llama):
+    seen: list[ev.Event] = []
+
+    class Observer:
+        @hookimpl
+        def jitney_on_events(self, events, engine):
+            seen.extend(events)
+
+    work = random_requests(8, llama.config.vocab_size, max_prompt=20, max_new=30, seed=5)
+    config = EngineConfig(max_batch_tokens=32, block_size=4, num_blocks=16, safety_margin=0.0)
+    async with Engine(llama, config=config, plugins=[Observer()]) as engine:
+        async with anyio.create_task_group() as tg:
+            for prompt, n in work:
+                tg.start_soon(engine.generate, Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)))
+    reset = {e.request_id for e in seen if isinstance(e, ev.RequestSoftReset)}
+    again = {e.request_id for e in seen if isinstance(e, ev.PrefillChunk) and e.recompute}
+    assert reset and again == reset
