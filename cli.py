@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 import anyio
@@ -63,36 +64,6 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_online(args: argparse.Namespace) -> int:
-    from jitney.bench.online import main as online_main
-
-    return online_main(args)
-
-
-def _simulate(args: argparse.Namespace) -> int:
-    from jitney.bench.simulate import main as simulate_main
-
-    return simulate_main(args)
-
-
-def _trace(args: argparse.Namespace) -> int:
-    from jitney.bench.traces import main as trace_main
-
-    return trace_main(args)
-
-
-def _calibrate(args: argparse.Namespace) -> int:
-    from jitney.bench.profile import main as calibrate_main
-
-    return calibrate_main(args)
-
-
-def _soak(args: argparse.Namespace) -> int:
-    from jitney.bench.soak import main as soak_main
-
-    return soak_main(args)
-
-
 def _plugins(args: argparse.Namespace) -> int:
     from jitney.core.hooks import describe_plugins, make_plugin_manager
 
@@ -105,10 +76,18 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from jitney.bench.run import main as bench_main
-
-    return bench_main(args)
+_TOOLS = {
+    "bench": ("jitney.bench.run", "compare jitney with transformers on a workload"),
+    "bench-online": ("jitney.bench.online", "Poisson arrivals of streaming clients against a server"),
+    "soak": ("jitney.bench.soak", "many streaming clients against a server, some leaving mid-stream; then whether it "
+                                  "came back to its baseline"),
+    "simulate": ("jitney.bench.simulate", "run the real scheduler, cache and eviction plugins on a cost model of the "
+                                          "forward (no weights): hit rate, throughput, TTFT, ITL"),
+    "calibrate": ("jitney.bench.profile", "time real steps on this machine and fit the step-time profile that "
+                                          "`jitney simulate` uses (or --analytic, from hardware figures)"),
+    "trace": ("jitney.bench.traces", "generate a request trace (JSONL) of a realistic shape"),
+}
+"""Subcommands whose module has `add_arguments(parser)` and `main(args)`."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,47 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     _policy_arguments(srv)
     srv.set_defaults(func=_serve)
 
-    online = sub.add_parser("bench-online", help="Poisson arrivals of streaming clients against a server")
-    from jitney.bench.online import add_arguments as add_online_arguments
-
-    add_online_arguments(online)
-    online.set_defaults(func=_bench_online)
-
-    sim = sub.add_parser("simulate", help="run the real scheduler, cache and eviction plugins on a cost model "
-                                          "of the forward (no weights): hit rate, throughput, TTFT, ITL")
-    from jitney.bench.simulate import add_arguments as add_simulate_arguments
-
-    add_simulate_arguments(sim)
-    sim.set_defaults(func=_simulate)
-
-    trace = sub.add_parser("trace", help="generate a request trace (JSONL) of a realistic shape")
-    from jitney.bench.traces import add_arguments as add_trace_arguments
-
-    add_trace_arguments(trace)
-    trace.set_defaults(func=_trace)
-
-    cal = sub.add_parser("calibrate", help="time real steps on this machine and fit the step-time profile "
-                                           "that `jitney simulate` uses")
-    from jitney.bench.profile import add_arguments as add_calibrate_arguments
-
-    add_calibrate_arguments(cal)
-    cal.set_defaults(func=_calibrate)
-
-    soak = sub.add_parser("soak", help="many streaming clients against a server, some leaving mid-stream; then "
-                                       "whether it came back to its baseline")
-    from jitney.bench.soak import add_arguments as add_soak_arguments
-
-    add_soak_arguments(soak)
-    soak.set_defaults(func=_soak)
-
     plugins = sub.add_parser("plugins", help="list every registered plugin by role, with the package providing it")
     plugins.set_defaults(func=_plugins)
 
-    bench = sub.add_parser("bench", help="compare jitney with transformers on a workload")
-    from jitney.bench.run import add_arguments
-
-    add_arguments(bench)
-    bench.set_defaults(func=_bench)
+    for name, (module, help_text) in _TOOLS.items():
+        tool = importlib.import_module(module)
+        tool.add_arguments(command := sub.add_parser(name, help=help_text))
+        command.set_defaults(func=tool.main)
 
     args = parser.parse_args(argv)
     try:

@@ -54,9 +54,8 @@ class Registers:
 CONFIG = dict(block_size=4, num_blocks=40, max_batch_tokens=32, eviction="counting-lru")
 
 
-def real_run(work: list[Arrival]) -> Timeline:
-    timeline = Timeline()
-    engine = Engine(tiny_llama(), config=EngineConfig(**CONFIG, speculative_tokens=0), plugins=[timeline, Registers()])
+def serve_all(engine: Engine, work: list[Arrival]) -> None:
+    """Every request of `work` through a real engine, at once."""
 
     async def main():
         async with engine, anyio.create_task_group() as tg:
@@ -65,6 +64,12 @@ def real_run(work: list[Arrival]) -> Timeline:
                                                                                  ignore_eos=True)))
 
     anyio.run(main)
+
+
+def real_run(work: list[Arrival]) -> Timeline:
+    timeline = Timeline()
+    serve_all(Engine(tiny_llama(), config=EngineConfig(**CONFIG, speculative_tokens=0), plugins=[timeline, Registers()]),
+              work)
     return timeline
 
 
@@ -169,15 +174,8 @@ def test_a_recorded_trace_replays_the_served_requests(tmp_path):
 
     work = prefixes_workload()[:12]
     path = tmp_path / "served.jsonl"
-    engine = Engine(tiny_llama(), config=EngineConfig(block_size=4, num_blocks=64), plugins=[TraceRecorder(path)])
-
-    async def main():
-        async with engine, anyio.create_task_group() as tg:
-            for a in work:
-                tg.start_soon(engine.generate, Request(a.prompt, SamplingParams(max_new_tokens=a.output_tokens,
-                                                                                 ignore_eos=True)))
-
-    anyio.run(main)
+    serve_all(Engine(tiny_llama(), config=EngineConfig(block_size=4, num_blocks=64), plugins=[TraceRecorder(path)]),
+              work)
     replay = materialize(read_trace(path), 256)
     assert sorted((a.prompt, a.output_tokens) for a in replay) == sorted((a.prompt, a.output_tokens) for a in work)
     assert all(a.arrival_s >= 0 for a in replay)
