@@ -112,13 +112,13 @@ def materialize(requests: list[TraceRequest], vocab: int) -> list[Arrival]:
 # -- generators -------------------------------------------------------------------------------------------------
 
 
-def _arrivals(rng: random.Random, count: int, rate: float, burst: float = 0.0) -> list[float]:
-    """Poisson arrivals at `rate` a second; with `burst`, that share of them comes in clumps of ~10."""
+def _arrivals(rng: random.Random, count: int, rate: float, shape: float = 1.0) -> list[float]:
+    """Arrivals at `rate` a second, gaps drawn from a gamma distribution of this `shape` (1: Poisson; below 1,
+    burstier: clumps of arrivals and long lulls, at the same mean rate)."""
     t, out = 0.0, []
-    while len(out) < count:
-        t += rng.expovariate(rate)
-        clump = 1 + (rng.randint(5, 15) if rng.random() < burst / 10 else 0)
-        out += [t] * min(clump, count - len(out))
+    for _ in range(count):
+        t += rng.gammavariate(shape, 1 / (shape * rate))
+        out.append(t)
     return out
 
 
@@ -147,11 +147,12 @@ def agentic(count: int, rate: float, seed: int = 0) -> list[TraceRequest]:
 
 
 def bursty(count: int, rate: float, seed: int = 0) -> list[TraceRequest]:
-    """Independent requests with a chat-like length mix, arriving in bursts."""
+    """Independent requests with heavy-tailed lengths (Pareto prompts from 16 tokens, log-normal outputs),
+    arriving in bursts: gamma gaps of shape 0.2 (their coefficient of variation is 2.2; Poisson's is 1)."""
     rng = random.Random(seed)
-    return [TraceRequest(arrival_s=round(t, 4), prompt_tokens=min(1024, max(4, int(rng.lognormvariate(4.6, 0.8)))),
+    return [TraceRequest(arrival_s=round(t, 4), prompt_tokens=min(2048, int(16 * rng.paretovariate(1.2))),
                          output_tokens=min(512, max(4, int(rng.lognormvariate(5.0, 0.6)))))
-            for t in _arrivals(rng, count, rate, burst=0.5)]
+            for t in _arrivals(rng, count, rate, shape=0.2)]
 
 
 def sharegpt_poisson(count: int, rate: float, seed: int = 0) -> list[TraceRequest]:

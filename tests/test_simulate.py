@@ -84,7 +84,8 @@ def test_a_simulation_runs_the_serving_plugins_and_hits_the_prefixes_a_real_run_
     assert row["prompt_tokens_computed"] == real.prefill
     assert row["steps"] == real.steps
     again = simulate(meta_model(str(tiny_config)), work, SHAPED, plugins=[Registers()], **CONFIG)
-    assert again == row  # a virtual clock: the same run, the same figures
+    timed = ("simulated_in_s",)  # (this machine's time, not the simulation's)
+    assert {k: v for k, v in again.items() if k not in timed} == {k: v for k, v in row.items() if k not in timed}
 
 
 def test_virtual_time_is_the_sum_of_the_predicted_steps_and_arrivals_are_honoured(tiny_config):
