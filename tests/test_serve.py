@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import anyio
 import httpx
 import openai
 import pytest
-import uvicorn
 from starlette.testclient import TestClient
+from support import serving
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
 from jitney.plugins.metrics import PrometheusMetrics
@@ -44,19 +42,8 @@ def server(smollm2, expected):
     metrics = PrometheusMetrics()
     engine = Engine(model, tokenizer, CONFIG, plugins=[metrics])
     app = build_app(engine, "smollm2", metrics, api_key=KEY, max_body_bytes=64 * 1024)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with serving(app) as url:
+        yield url, engine
 
 
 @pytest.fixture

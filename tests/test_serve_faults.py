@@ -12,14 +12,12 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import anyio
 import httpx
 import pytest
 import schemathesis
 import torch
-import uvicorn
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -27,6 +25,8 @@ from schemathesis.specs.openapi.checks import (
 )
 from starlette.testclient import TestClient
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from support import serving
 
 from jitney import Engine, EngineConfig
 from jitney.core.models import embedded_checkpoint
@@ -83,26 +83,6 @@ class Faults:
     def reset(self) -> None:
         self.gate.set()
         self.delay, self.fail_in = 0.0, None
-
-
-@contextmanager
-def serving(app, lifespan: str = "on"):
-    """`app` on a free loopback port, in a thread; yields its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
