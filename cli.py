@@ -60,7 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
                           cpu_offload_space=args.cpu_offload_space, speculative_tokens=args.speculative_tokens,
                           scheduler=args.scheduler, eviction=args.eviction)
     serve(args.model, args.host, args.port, args.api_key, args.max_waiting, config, max_n=args.max_n,
-          record_trace=args.record_trace)
+          record_trace=args.record_trace, record_ids=args.record_ids)
     return 0
 
 
@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="queued samples (a request counts its n) beyond this get 429 at once")
     srv.add_argument("--max-n", type=int, default=16, help="the most samples (n) one request may ask for")
     srv.add_argument("--record-trace", default=None, metavar="FILE",
-                     help="append each finished request to this JSONL trace (replay: jitney simulate/bench --trace)")
+                     help="append each finished request to this JSONL trace (replay: jitney simulate/bench --trace); "
+                          "prompts as lengths and block hashes, no text")
+    srv.add_argument("--record-ids", action="store_true", help="record the prompts' token ids in the trace too")
     srv.add_argument("--max-batch-tokens", type=int, default=256)
     srv.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from free memory)")
     srv.add_argument("--cpu-offload-space", type=float, default=1.0, help="GiB of swap pool for preempted requests")

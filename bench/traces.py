@@ -8,7 +8,10 @@ A line::
 - ``prompt_ids`` (the token ids), or ``prompt_tokens`` (a count: ids are made up, reproducibly), with
   ``prefix_group`` + ``prefix_tokens``: the first ``prefix_tokens`` ids are the group's shared prefix (a
   system or tool prompt), or ``session``: the prompt extends the session's previous turn (its prompt and its
-  output) by ``prompt_tokens`` new ids — so prefix sharing is reproducible without any text.
+  output) by ``prompt_tokens`` new ids, or ``prefix_hashes``: the chained hashes of the prompt's first full
+  blocks of ``prefix_block`` tokens (what `jitney serve --record-trace` writes unless asked for the ids):
+  requests that shared those blocks share them again, and nothing of their text is in the trace — so prefix
+  sharing is reproducible without any text.
 - ``output_tokens``: tokens to generate (the request ignores end-of-sequence); ``priority`` (default 0);
   ``metadata``: anything, kept as is.
 """
@@ -36,6 +39,8 @@ class TraceRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     prefix_group: str | None = None
     prefix_tokens: int = 0
     session: str | None = None
+    prefix_hashes: list[str] | None = None
+    prefix_block: int = 16
     priority: int = 0
     metadata: Any = None
 
@@ -52,8 +57,11 @@ class TraceRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
             return "prompt_tokens must be >= 1"
         if self.prefix_group is not None and not 0 < self.prefix_tokens <= (self.prompt_tokens or 0):
             return "prefix_tokens must be between 1 and prompt_tokens with a prefix_group"
-        if self.session is not None and self.prefix_group is not None:
-            return "a request has a session or a prefix_group, not both"
+        if sum(x is not None for x in (self.session, self.prefix_group, self.prefix_hashes)) > 1:
+            return "a request has one of session, prefix_group and prefix_hashes"
+        if self.prefix_hashes is not None and not (
+                self.prefix_block >= 1 and len(self.prefix_hashes) * self.prefix_block <= (self.prompt_tokens or 0)):
+            return "prefix_hashes must cover at most prompt_tokens, in blocks of prefix_block >= 1 tokens"
         return None
 
 
@@ -100,6 +108,9 @@ def materialize(requests: list[TraceRequest], vocab: int) -> list[Arrival]:
             prompt = context + _ids(f"session {r.session} turn {len(context)}", r.prompt_tokens, vocab)
             # the next turn sees this one's answer (made-up ids: a replay's own answer never matches them either)
             sessions[r.session] = prompt + _ids(f"session {r.session} answer {len(prompt)}", r.output_tokens, vocab)
+        elif r.prefix_hashes is not None:
+            prompt = [t for h in r.prefix_hashes for t in _ids(f"block {h}", r.prefix_block, vocab)]
+            prompt += _ids(f"request {i}", r.prompt_tokens - len(prompt), vocab)
         elif r.prefix_group is not None:
             prompt = _ids(f"group {r.prefix_group}", r.prefix_tokens, vocab) + _ids(f"request {i}", r.prompt_tokens - r.prefix_tokens, vocab)
         else:

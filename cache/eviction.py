@@ -27,6 +27,9 @@ class BlockStats(Protocol):
     """Its content hash (chained over its whole prefix): the same content has the same hash when computed again."""
     depth: int
     """Its place in its prefix chain: 0 for a prompt's first block."""
+    extended: bool
+    """Whether other hashed blocks extend its prefix, when it became cached (the pool never demotes such a
+    block before them, whatever its priority)."""
 
 
 class EvictionPolicy(Protocol):

@@ -14,7 +14,7 @@ log = logging.getLogger("jitney")
 class Block:
     """One block's bookkeeping (its KV lives in the cache tensors)."""
 
-    __slots__ = ("id", "ref_count", "hash", "created", "last_access", "hits", "version", "parent", "depth")
+    __slots__ = ("id", "ref_count", "hash", "created", "last_access", "hits", "version", "parent", "depth", "extended")
 
     def __init__(self, block_id: int):
         self.id = block_id
@@ -24,6 +24,7 @@ class Block:
         self.version = 0  # bumped whenever the block leaves the cached set, to drop stale heap entries
         self.parent: int | None = None  # the hash of the prefix this block's content extends, while hashed
         self.depth = 0  # its place in its prefix chain (0: a prompt's first block), while hashed
+        self.extended = False  # whether hashed blocks extend its prefix (as of its last release)
 
 
 class BlockPool:
@@ -162,6 +163,7 @@ class BlockPool:
                 self._free.append(block_id)
             else:
                 self._cached.add(block_id)
+                block.extended = block.hash in self.extended
                 self._notify("on_insert", block)
                 try:
                     heapq.heappush(self._heap, (self.policy.priority(block), self.clock, block_id, block.version))

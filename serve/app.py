@@ -311,7 +311,7 @@ async def _internal_error(request: HttpRequest, exc: Exception) -> Response:
 
 
 def serve(model: str, host: str, port: int, api_key: str | None, max_waiting: int, config, max_n: int = 16,
-          record_trace: str | None = None) -> None:
+          record_trace: str | None = None, record_ids: bool = False) -> None:
     """Load `model` and serve it until interrupted (what `jitney serve` runs)."""
     from pathlib import Path
 
@@ -325,7 +325,7 @@ def serve(model: str, host: str, port: int, api_key: str | None, max_waiting: in
     if record_trace:
         from jitney.plugins.trace import TraceRecorder
 
-        plugins.append(TraceRecorder(record_trace))
+        plugins.append(TraceRecorder(record_trace, token_ids=record_ids))
     engine = Engine.from_pretrained(model, config=config, plugins=plugins)
     name = model if model == "smollm2" else Path(model).name
     app = build_app(engine, name, metrics, api_key=api_key, max_waiting=max_waiting, max_n=max_n)

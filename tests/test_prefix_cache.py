@@ -265,7 +265,7 @@ class Recording:
         self.calls.append(("setup", num_blocks))
 
     def on_insert(self, block):
-        self.calls.append(("insert", (block.hash, block.depth)))
+        self.calls.append(("insert", (block.hash, block.depth, block.extended)))
 
     def on_hit(self, block):
         self.calls.append(("hit", block.depth))
@@ -294,7 +294,7 @@ async def test_a_policy_is_told_of_inserts_hits_and_demotions_with_each_blocks_d
     kinds = [k for k, _ in policy.calls]
     assert policy.calls[0] == ("setup", 8)
     inserted = [v for k, v in policy.calls if k == "insert"]
-    assert sorted(depth for _, depth in inserted[:3]) == [0, 1, 2]  # a prompt's chain, first block at 0
+    assert sorted((depth, extended) for _, depth, extended in inserted[:3]) == [(0, True), (1, True), (2, False)]
     assert [v for k, v in policy.calls if k == "hit"] == [0, 1, 2]
     assert kinds.count("demote") >= 3 and all(v is not None for k, v in policy.calls if k == "demote")
 

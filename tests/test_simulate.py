@@ -175,8 +175,8 @@ def test_a_recorded_trace_replays_the_served_requests(tmp_path):
 
     work = prefixes_workload()[:12]
     path = tmp_path / "served.jsonl"
-    serve_all(Engine(tiny_llama(), config=EngineConfig(block_size=4, num_blocks=64), plugins=[TraceRecorder(path)]),
-              work)
+    serve_all(Engine(tiny_llama(), config=EngineConfig(block_size=4, num_blocks=64),
+                     plugins=[TraceRecorder(path, token_ids=True)]), work)
     replay = materialize(read_trace(path), 256)
     assert sorted((a.prompt, a.output_tokens) for a in replay) == sorted((a.prompt, a.output_tokens) for a in work)
     assert all(a.arrival_s >= 0 for a in replay)
@@ -256,3 +256,31 @@ def test_an_analytic_profile_follows_the_hardware_figures(tiny_config):
     work = [Arrival([5, 6, 7, 8], 16) for _ in range(8)]
     rows = [simulate(model, work, p, block_size=4, num_blocks=64) for p in (slow, analytic(model, 2.0, 200.0))]
     assert rows[1]["wall_s"] == pytest.approx(rows[0]["wall_s"] / 2, rel=0.02)  # twice the hardware, half the time
+
+
+def test_a_trace_recorded_without_token_ids_keeps_the_prefix_sharing_and_no_text(tmp_path, tiny_config):
+    from jitney.bench.traces import materialize, read_trace
+    from jitney.plugins.trace import TraceRecorder
+
+    work = prefixes_workload()[:16]
+    path = tmp_path / "private.jsonl"
+    real = Timeline()
+    serve_all(Engine(tiny_llama(), config=EngineConfig(**CONFIG, speculative_tokens=0),
+                     plugins=[TraceRecorder(path), real, Registers()]), work)
+    text = path.read_text()
+    assert "prompt_ids" not in text and "prefix_hashes" in text
+    replay = materialize(read_trace(path), 256)  # (arrivals are rounded to 0.1 ms: ties come in any order)
+
+    def shared_blocks(a: list[int], b: list[int]) -> int:
+        k = 0
+        while (k + 1) * 16 <= min(len(a), len(b)) and a[k * 16 : (k + 1) * 16] == b[k * 16 : (k + 1) * 16]:
+            k += 1
+        return k
+
+    def structure(prompts):  # each prompt's length and the blocks it shares with every prompt, in any order
+        return sorted((len(a), sorted(shared_blocks(a, b) for b in prompts)) for a in prompts)
+
+    assert structure([a.prompt for a in replay]) == structure([a.prompt for a in work])
+    assert any(0 < n < 2 for _, row in structure([a.prompt for a in work]) for n in row)  # some share a block
+    row = simulate(meta_model(str(tiny_config)), replay, SHAPED, plugins=[Registers()], **CONFIG)
+    assert row["prefix_hit_rate"] > 0
