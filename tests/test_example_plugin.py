@@ -50,3 +50,34 @@ def test_example_package_is_discovered_and_selected_by_name(llama, tmp_path, mon
     name, outputs = anyio.run(run)
     assert name == "ShortestPromptFirst"
     assert outputs == refs
+
+
+S3FIFO = Path(__file__).resolve().parent.parent / "examples" / "s3_fifo"
+
+
+def test_an_eviction_policy_package_is_discovered_and_simulated(tmp_path, monkeypatch, capsys):
+    from support import tiny_llama
+
+    from jitney.bench.profile import StepProfile
+    from jitney.bench.simulate import meta_model, simulate
+    from jitney.bench.traces import agentic, bursty, materialize
+
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target), str(S3FIFO)],
+        check=True, capture_output=True, timeout=300,
+    )
+    monkeypatch.syspath_prepend(str(target))
+    importlib.invalidate_caches()
+    assert cli(["plugins"]) == 0
+    assert "s3fifo" in capsys.readouterr().out
+
+    tiny_llama().config.save_pretrained(tmp_path / "tiny")
+    model = meta_model(str(tmp_path / "tiny"))
+    work = materialize(agentic(60, 4.0, seed=1) + bursty(60, 4.0, seed=2), 256)
+    for a in work:  # the tiny model's context is 512 tokens
+        a.prompt, a.output_tokens = a.prompt[:400], min(a.output_tokens, 100)
+    profile = StepProfile(model="tiny", machine="test", coefficients=[1e-3, 2e-5, 1e-5, 1e-4, 2e-4, 1e-2],
+                          fit_error=0, total_error=0, steps=0)
+    rows = {p: simulate(model, work, profile, eviction=p, block_size=16, num_blocks=100) for p in ("s3fifo", "mru")}
+    assert rows["s3fifo"]["refused"] == 0 and rows["s3fifo"]["prefix_hit_rate"] > 0
