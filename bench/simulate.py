@@ -187,31 +187,25 @@ async def _drive(engine, clock: VirtualClock, work: list[Arrival], timeline: Tim
 
     order = sorted(range(len(work)), key=lambda i: work[i].arrival_s)
     start = clock.now = 0.0  # (the trace's time zero, as a real replay counts it)
-    async with anyio.create_task_group() as tg:
-        for i in tqdm(order, desc="simulating", unit="req", disable=len(order) < 2000, leave=False):
-            item = work[i]
-            while clock.now < item.arrival_s:
-                if not (engine.waiting or engine.active or engine.preempter.offloaded):
-                    clock.now = item.arrival_s  # nothing runs until then
-                else:
-                    await anyio.sleep(0)  # a step goes on
-            params = SamplingParams(max_new_tokens=item.output_tokens, ignore_eos=True)
-            try:
-                stream = engine.stream(Request(item.prompt, params, priority=item.priority, metadata=item.metadata))
-            except ValueError:  # past the model's context or the whole cache: what a server answers 400
-                timeline.refused += 1
-                continue
-            stream.collector.samples[0].t_queued = item.arrival_s  # (it arrived then, whatever step was running)
-            if item.metadata and "tenant" in item.metadata:
-                timeline.tenant_of[stream.request_id] = str(item.metadata["tenant"])
-            tg.start_soon(_drain, stream)
+    for i in tqdm(order, desc="simulating", unit="req", disable=len(order) < 2000, leave=False):
+        item = work[i]
+        while clock.now < item.arrival_s:
+            if not (engine.waiting or engine.active or engine.preempter.offloaded):
+                clock.now = item.arrival_s  # nothing runs until then
+            else:
+                await anyio.sleep(0)  # a step goes on
+        params = SamplingParams(max_new_tokens=item.output_tokens, ignore_eos=True)
+        try:  # (submitted without a stream: nobody reads the tokens, the engine runs on regardless)
+            first = engine.submit(Request(item.prompt, params, priority=item.priority, metadata=item.metadata)).samples[0]
+        except ValueError:  # past the model's context or the whole cache: what a server answers 400
+            timeline.refused += 1
+            continue
+        first.t_queued = item.arrival_s  # (it arrived then, whatever step was running)
+        if item.metadata and "tenant" in item.metadata:
+            timeline.tenant_of[first.request_id] = str(item.metadata["tenant"])
+    while engine.requests:
+        await anyio.sleep(0)
     return clock.now - start
-
-
-async def _drain(stream) -> None:
-    async with stream:
-        async for _ in stream:
-            pass
 
 
 def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timeline_path: str | None = None,
