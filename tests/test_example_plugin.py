@@ -16,14 +16,19 @@ from jitney.cli import main as cli
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "shortest_prompt_first"
 
 
-def test_example_package_is_discovered_and_selected_by_name(llama, tmp_path, monkeypatch, capsys):
+def install(package: Path, tmp_path: Path, monkeypatch) -> None:
+    """Install an example package for real (into a folder put on the path for this test)."""
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target), str(EXAMPLE)],
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target), str(package)],
         check=True, capture_output=True, timeout=300,
     )
     monkeypatch.syspath_prepend(str(target))
     importlib.invalidate_caches()
+
+
+def test_example_package_is_discovered_and_selected_by_name(llama, tmp_path, monkeypatch, capsys):
+    install(EXAMPLE, tmp_path, monkeypatch)
 
     assert cli(["plugins"]) == 0
     listing = capsys.readouterr().out
@@ -62,13 +67,7 @@ def test_an_eviction_policy_package_is_discovered_and_simulated(tmp_path, monkey
     from jitney.bench.simulate import meta_model, simulate
     from jitney.bench.traces import agentic, bursty, materialize
 
-    target = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target), str(S3FIFO)],
-        check=True, capture_output=True, timeout=300,
-    )
-    monkeypatch.syspath_prepend(str(target))
-    importlib.invalidate_caches()
+    install(S3FIFO, tmp_path, monkeypatch)
     assert cli(["plugins"]) == 0
     assert "s3fifo" in capsys.readouterr().out
 
