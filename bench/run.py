@@ -13,10 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import anyio
 import torch
 
-from jitney.bench.simulate import percentile_ms
+from jitney.bench.stats import StepStats, percentile_ms
 from jitney.bench.workloads import WORKLOADS, Workload, long_prompt
-from jitney.core.events import FirstToken, StepCompleted
-from jitney.core.hooks import hookimpl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,36 +118,6 @@ def workload_gflop(model, work: Workload) -> float:
         flops += 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * tokens * tokens / 2
         flops += 2 * c.hidden_size * c.vocab_size * n
     return flops / 1e9
-
-
-class StepStats:
-    """Sums each step's events: prefix lookups and hits, prompt tokens computed, time in the forward."""
-
-    def __init__(self):
-        self.query = self.hit = self.prefill = self.forward_s = self.steps = self.preemptions = 0
-        self.gaps: list[float] = []  # seconds between consecutive tokens of a request, as its consumer saw them
-        self.slots_allocated = self.slots_used = 0  # summed over steps: KV slots held vs tokens they hold
-        self.drafted = self.accepted = self.speculative_steps = 0
-        self.ttft: list[float] = []  # queueing to first token, per request
-
-    @hookimpl
-    def jitney_on_events(self, events, engine):
-        for e in events:
-            if isinstance(e, FirstToken):
-                self.ttft.append(e.ttft)
-            elif isinstance(e, StepCompleted):
-                self.query += e.prefix_query_tokens
-                self.hit += e.prefix_hit_tokens
-                self.prefill += e.prefill_tokens
-                self.forward_s += e.forward_s
-                self.steps += 1
-                self.preemptions += e.preemptions
-                self.drafted += e.draft_tokens
-                self.accepted += e.accepted_tokens
-                self.speculative_steps += e.draft_tokens > 0
-                cache = engine.cache
-                self.slots_allocated += sum(cache.blocks_held(s.request_id) for s in engine.active) * cache.block_size
-                self.slots_used += sum(s.num_computed for s in engine.active)
 
 
 def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sharing: bool = True,

@@ -11,7 +11,7 @@ import json
 import math
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -19,6 +19,7 @@ import anyio.lowlevel
 import torch
 
 from jitney.bench.profile import StepProfile, features, load_profile
+from jitney.bench.stats import StepStats, percentile_ms
 from jitney.bench.workloads import WORKLOADS
 from jitney.core import events as ev
 from jitney.core.hooks import hookimpl
@@ -114,25 +115,21 @@ class InlineForward:
         self.thread.shutdown()
 
 
-@dataclass
-class Timeline:
-    """What a run's requests saw, from their events (virtual times)."""
+class Timeline(StepStats):
+    """What a simulated run's requests saw, from their events (virtual times): `StepStats`' sums, the gaps
+    between each request's tokens, and time to first token per tenant."""
 
-    ttft: list[float] = field(default_factory=list)
-    gaps: list[float] = field(default_factory=list)
-    query: int = 0
-    hit: int = 0
-    prefill: int = 0
-    steps: int = 0
-    preemptions: int = 0
-    refused: int = 0
-    generated: int = 0
-    tenant_of: dict[str, str] = field(default_factory=dict)  # request id -> metadata["tenant"], where given
-    ttft_by_tenant: dict[str, list[float]] = field(default_factory=dict)
-    _last: dict[str, float] = field(default_factory=dict)
+    def __init__(self) -> None:
+        super().__init__(slots=False)
+        self.refused = 0
+        self.generated = 0
+        self.tenant_of: dict[str, str] = {}  # request id -> metadata["tenant"], where given
+        self.ttft_by_tenant: dict[str, list[float]] = {}
+        self._last: dict[str, float] = {}
 
     @hookimpl
     def jitney_on_events(self, events, engine):
+        super().jitney_on_events(events, engine)
         for e in events:
             if isinstance(e, ev.TokensGenerated):
                 self.generated += e.tokens
@@ -140,18 +137,10 @@ class Timeline:
                 if last is not None:
                     self.gaps.append(e.t - last)
                 self._last[e.request_id] = e.t
-            elif isinstance(e, ev.FirstToken):
-                self.ttft.append(e.ttft)
-                if e.request_id in self.tenant_of:
-                    self.ttft_by_tenant.setdefault(self.tenant_of[e.request_id], []).append(e.ttft)
+            elif isinstance(e, ev.FirstToken) and e.request_id in self.tenant_of:
+                self.ttft_by_tenant.setdefault(self.tenant_of[e.request_id], []).append(e.ttft)
             elif isinstance(e, ev.RequestFinished):
                 self._last.pop(e.request_id, None)
-            elif isinstance(e, ev.StepCompleted):
-                self.query += e.prefix_query_tokens
-                self.hit += e.prefix_hit_tokens
-                self.prefill += e.prefill_tokens
-                self.steps += 1
-                self.preemptions += e.preemptions
 
 
 def meta_model(source: str):
@@ -169,13 +158,6 @@ def meta_model(source: str):
     config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config).eval()
-
-
-def percentile_ms(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    values = sorted(values)
-    return round(1000 * values[min(len(values) - 1, int(q * len(values)))], 1)
 
 
 async def _drive(engine, clock: VirtualClock, work: list[Arrival], timeline: Timeline) -> float:

@@ -279,16 +279,11 @@ class Engine:
                     await self._step()
                 except Exception as exc:  # a bug of the engine's own: what was in flight fails, serving goes on
                     log.exception("a step failed outside the forward pass")
-                    self._fail_all(f"internal error: {type(exc).__name__}: {exc}")
+                    self._fail(self._in_flight(), f"internal error: {type(exc).__name__}: {exc}")
+                    self._flush_events()
                     await anyio.sleep(0)  # (a step that keeps failing still lets the event loop run)
         finally:
             self._loop_alive = False
-
-    def _fail_all(self, error: str) -> None:
-        for seq in [*self.active, *self.waiting, *self.preempter.offloaded]:
-            if not seq.status.done:
-                self._finish(seq, "error", error)
-        self._flush_events()
 
     async def _step(self) -> None:
         """Schedule a batch and run it. With async batching, while a step of decodes runs, the next one (the
@@ -320,7 +315,7 @@ class Engine:
             drafts = self._speculation(entries) if self.speculate else 0
             running = forward.submit(self.executor.prepare(entries, speculate=drafts))
         except Exception as exc:
-            self._fail(entries, exc)
+            self._forward_failed(entries, exc)
             return
         ran_ahead = False
         while True:
@@ -333,7 +328,7 @@ class Engine:
             try:
                 tokens, forward_s, row_errors = await forward.wait(running)
             except Exception as exc:  # a failing forward fails its batch, not the engine
-                self._fail(entries, exc)
+                self._forward_failed(entries, exc)
                 return
             for i, why in row_errors.items():  # (its token, 0, is dropped: the request has ended)
                 if not entries[i][0].status.done:
@@ -402,11 +397,19 @@ class Engine:
         ahead = [(entries[i][0], 1) for i in rows]
         return ahead, self.executor.prepare(ahead, ahead=True), rows
 
-    def _fail(self, entries: list[tuple[Sequence, int]], exc: Exception) -> None:
+    def _forward_failed(self, entries: list[tuple[Sequence, int]], exc: Exception) -> None:
         log.exception("forward pass failed", exc_info=exc)
-        for seq, _ in entries:
+        self._fail([seq for seq, _ in entries], f"{type(exc).__name__}: {exc}")
+
+    def _in_flight(self) -> list[Sequence]:
+        """Every request the engine holds: running, waiting, offloaded."""
+        return [*self.active, *self.waiting, *self.preempter.offloaded]
+
+    def _fail(self, seqs: Iterable[Sequence], error: str) -> None:
+        """End each of `seqs` that has not ended yet as failed with `error`, its cache freed."""
+        for seq in seqs:
             if not seq.status.done:
-                self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
+                self._finish(seq, "error", error)
 
     def _step_completed(self, entries: list[tuple[Sequence, int]], t0: float, marks: tuple[int, int], queried: int,
                         hit: int, ahead: bool, forward_s: float, drafted: int, accepted: int) -> None:
@@ -429,10 +432,7 @@ class Engine:
     def _scheduler_failed(self, fault: PluginFault) -> None:
         """Fail the requests a faulty schedule concerned — those its batch named, else every request it was
         given (it produced no step for them) — and free their cache; requests submitted later still run."""
-        failed = batch_requests(fault.batch) or [*self.active, *self.waiting]
-        for seq in failed:
-            if not seq.status.done:
-                self._finish(seq, "error", str(fault))
+        self._fail(batch_requests(fault.batch) or [*self.active, *self.waiting], str(fault))
         self._flush_events()
 
     def _apply(self, entries: list[tuple[Sequence, int]], tokens: list[list[int] | None]) -> None:
@@ -590,16 +590,10 @@ class Engine:
                 observe(batch)
             except Exception as exc:  # its view of these requests is now unknown: they fail, others go on
                 self.errors.report(f"scheduler {self.config.scheduler!r} (on_events)", exc)
-                self._fail_named(batch, f"scheduler {self.config.scheduler!r} failed in on_events: "
-                                        f"{type(exc).__name__}: {exc}")
+                named = {getattr(e, "request_id", None) for e in batch}  # (their events go out with the next batch)
+                self._fail([s for s in self._in_flight() if s.request_id in named],
+                           f"scheduler {self.config.scheduler!r} failed in on_events: {type(exc).__name__}: {exc}")
         notify_observers(self.plugins, self.errors, batch, self)
-
-    def _fail_named(self, events: list[ev.Event], error: str) -> None:
-        """Fail the unfinished requests that `events` are about (their events go out with the next batch)."""
-        ids = {getattr(e, "request_id", None) for e in events}
-        for seq in [*self.active, *self.waiting, *self.preempter.offloaded]:
-            if seq.request_id in ids and not seq.status.done:
-                self._finish(seq, "error", error)
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):

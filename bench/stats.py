@@ -1,0 +1,50 @@
+"""What a run's events add up to: prefix lookups and hits, prompt tokens computed, time to first token...
+(`jitney bench` and `jitney simulate` report the same columns from them)."""
+
+from __future__ import annotations
+
+import math
+
+from jitney.core import events as ev
+from jitney.core.hooks import hookimpl
+
+
+def percentile_ms(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    values = sorted(values)
+    return round(1000 * values[min(len(values) - 1, int(q * len(values)))], 1)
+
+
+class StepStats:
+    """Sums each step's events: prefix lookups and hits, prompt tokens computed, time in the forward."""
+
+    def __init__(self, slots: bool = True):
+        self.query = self.hit = self.prefill = self.forward_s = self.steps = self.preemptions = 0
+        self.gaps: list[float] = []  # seconds between consecutive tokens of a request, as its consumer saw them
+        self.slots_allocated = self.slots_used = 0  # summed over steps: KV slots held vs tokens they hold
+        self.drafted = self.accepted = self.speculative_steps = 0
+        self.ttft: list[float] = []  # queueing to first token, per request
+        # KV slots held vs used, summed over steps (`slots`): a pass over every active request's blocks each step
+        self.slots = slots
+
+    @hookimpl
+    def jitney_on_events(self, events, engine):
+        for e in events:
+            if isinstance(e, ev.FirstToken):
+                self.ttft.append(e.ttft)
+            elif isinstance(e, ev.StepCompleted):
+                self.query += e.prefix_query_tokens
+                self.hit += e.prefix_hit_tokens
+                self.prefill += e.prefill_tokens
+                self.forward_s += e.forward_s
+                self.steps += 1
+                self.preemptions += e.preemptions
+                self.drafted += e.draft_tokens
+                self.accepted += e.accepted_tokens
+                self.speculative_steps += e.draft_tokens > 0
+                if not self.slots:
+                    continue
+                cache = engine.cache
+                self.slots_allocated += sum(cache.blocks_held(s.request_id) for s in engine.active) * cache.block_size
+                self.slots_used += sum(s.num_computed for s in engine.active)
