@@ -33,18 +33,19 @@ def _resident_bytes() -> int:
 
 
 def _resident_bytes_of(*tensors) -> int:
-    """Resident bytes of the mappings holding `tensors` (from /proc/self/smaps): unlike the process's total,
-    not moved by what other threads allocate or free meanwhile."""
-    ptrs = [t.data_ptr() for t in tensors]
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = any(start <= p < end for p in ptrs)
-            elif inside and head == "Rss:":
-                total += int(line.split()[1]) * 1024
+    """Resident bytes of exactly the memory holding `tensors` (their storages' pages, from /proc/self/pagemap):
+    neither moved by what other threads allocate or free meanwhile, nor by neighbouring mappings the kernel
+    merged with theirs."""
+    page = mmap.PAGESIZE
+    total = 0
+    with open("/proc/self/pagemap", "rb") as f:
+        for t in tensors:
+            storage = t.untyped_storage()
+            first, last = storage.data_ptr() // page, (storage.data_ptr() + storage.nbytes() - 1) // page
+            f.seek(first * 8)
+            entries = f.read((last - first + 1) * 8)
+            present = sum(1 for k in range(0, len(entries), 8) if entries[k + 7] & 0x80)  # bit 63: in memory
+            total += present * page
     return total
 
 
