@@ -59,10 +59,11 @@ def served_logits(engine: Engine, sequences: list[list[int]]) -> tuple[list[torc
     def counting(step):
         attend = prepare(step)
 
-        def counted(*args):
+        def counted(*args, **features):
             calls[0] += 1
-            return attend(*args)
+            return attend(*args, **features)
 
+        counted.supports = getattr(attend, "supports", frozenset())  # what jitney_attention asks the step
         return counted
 
     backend.prepare = counting  # (an instance attribute, removed below)
@@ -119,4 +120,4 @@ def check(engine: Engine, reference: list[torch.Tensor], sequences: list[list[in
             raise UnfaithfulModel(
                 f"jitney cannot run {name} faithfully: its logits through jitney ({where} of a "
                 f"{PROMPT_LENGTHS[i // 2]}-token prompt) differ from the model's own by {err:.3g} (scale {scale:.3g}); "
-                "an attention feature it uses is probably not implemented (e.g. attention sinks)")
+                "an attention feature it uses is probably not implemented")

@@ -33,6 +33,8 @@ def int_table(rows: list[list[int]], width: int, pad: int, num_rows: int | None 
 
 ATTN_NAME = "jitney"
 STEP_KWARG = "jitney_step"  # the forward keyword that carries a step's metadata down to every layer
+FEATURES = {"softcap": "attention logit soft-capping", "sinks": "attention sinks (s_aux)"}
+"""The optional features of `StepAttention` (a backend lists those it handles in ``supports``), as errors name them."""
 
 
 @dataclass
@@ -76,11 +78,24 @@ class StepInputs:
 
 
 class StepAttention(Protocol):
-    """A backend's state for one step: called once per layer."""
+    """A backend's state for one step: called once per layer.
+
+    Two attention features beyond plain causal (and sliding-window) attention reach it as keywords, given only
+    when a layer uses them (a layer without them gets the plain call):
+
+    - ``softcap`` (float; Gemma2's ``attn_logit_softcapping``): each score, after `scaling` and before the
+      causal mask, becomes ``softcap * tanh(score / softcap)``.
+    - ``sinks`` ([heads] tensor; GPT-OSS's ``s_aux``): one learned logit per query head that joins each row's
+      softmax denominator but carries no value, so a row's weights sum to less than one.
+
+    A step that handles them lists them in ``supports`` (a set of ``"softcap"``, ``"sinks"``). Without the
+    attribute it supports neither, and a model that uses one is refused at start-up with the feature named:
+    a backend written before these keywords existed never serves tokens computed without them.
+    """
 
     def __call__(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-        sliding_window: int | None,
+        sliding_window: int | None, *, softcap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's `key`/`value` ([1, kv_heads, T, D]) into the cache, attend `query` ([1, heads, T, D])
         over each request's context, and return [1, T, heads, D]."""
@@ -111,13 +126,16 @@ def jitney_attention(module, query, key, value, attention_mask, scaling=None, sl
             "this model's attention is bound to a jitney engine; run it through the engine, "
             "or call model.set_attn_implementation('sdpa') first"
         )
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("attention logit soft-capping is not supported by jitney's attention yet")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention sinks (s_aux) are not supported by jitney's attention yet")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    return step(module.layer_idx, query, key, value, scaling, sliding_window), None
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if softcap is None and sinks is None:
+        return step(module.layer_idx, query, key, value, scaling, sliding_window), None
+    missing = [FEATURES[name] for name, used in (("softcap", softcap), ("sinks", sinks))
+               if used is not None and name not in getattr(step, "supports", ())]
+    if missing:
+        raise NotImplementedError(f"its attention backend does not support {' or '.join(missing)}")
+    return step(module.layer_idx, query, key, value, scaling, sliding_window, softcap=softcap, sinks=sinks), None
 
 
 AttentionInterface.register(ATTN_NAME, jitney_attention)

@@ -204,6 +204,18 @@ static inline float exp_sum(float* s, int64_t n, float m) {
   return sum;
 }
 
+// `exp_sum` where a head may have a sink (GPT-OSS): a logit that joins the softmax's denominator with no value.
+static inline float exp_sum_sink(float* s, int64_t n, float m, const float* sink) {
+  if (!sink) return exp_sum(s, n, m);
+  m = std::max(m, *sink);
+  return exp_sum(s, n, m) + expf(*sink - m);
+}
+
+// Soft-capping of scaled scores (Gemma2): cap * tanh(s / cap), before the mask as in transformers.
+static inline void soft_cap(float* s, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * tanhf(s[i] / cap);
+}
+
 // Attention of decode rows over the paged, head-major cache ([kv_heads, slots, dim] for keys and values).
 // One task per (row, KV head): its `group` query heads attend over positions [first, ctx) of the row's
 // context, read through its block table. Row r's queries start at q + r * q_stride, heads one after another;
@@ -211,22 +223,23 @@ static inline float exp_sum(float* s, int64_t n, float m) {
 // through its context block by block: keys four at a time against two query heads at a time (each key
 // loaded once for both), values with the sums for 64 dims of one head in registers. The blocks themselves
 // lie anywhere, which the hardware prefetcher does not follow: the next block's keys (values) are
-// prefetched while this block's are read.
+// prefetched while this block's are read. Where `softcap` > 0 the scores are soft-capped; where `sinks` is
+// given (one logit per query head) each head's sink joins its softmax's denominator.
 #ifdef __AVX512F__
 static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, int64_t heads, int64_t dim,
                                const float* kp, const float* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
                                int64_t width, const int64_t* cp, float* op, double scale, int64_t window,
-                               int64_t block_size, bool small);
+                               int64_t block_size, bool small, float softcap, const float* sinks);
 #endif
 
 static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, int64_t heads, int64_t dim,
                              const float* kp, const float* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
                              int64_t width, const int64_t* cp, float* op, double scale, int64_t window,
-                             int64_t block_size, bool small) {
+                             int64_t block_size, bool small, float softcap = 0.f, const float* sinks = nullptr) {
 #ifdef __AVX512F__
   if (dim % 16 == 0)
     return decode_attention16(qp, q_stride, rows, heads, dim, kp, vp, kv_heads, slots, tp, width, cp, op, scale, window,
-                              block_size, small);
+                              block_size, small, softcap, sinks);
 #endif
   const int64_t group = heads / kv_heads, dim8 = dim / 8 * 8;
   const float sc = (float)scale;
@@ -267,7 +280,9 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
       std::vector<float> total(group, 0.f);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * n;
-        total[g] = exp_sum(sg, n, *std::max_element(sg, sg + n));
+        if (softcap > 0.f) soft_cap(sg, n, softcap);
+        const float* sink = sinks ? sinks + h * group + g : nullptr;
+        total[g] = exp_sum_sink(sg, n, *std::max_element(sg, sg + n), sink);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t g = 0; g < group; ++g) {
@@ -400,7 +415,7 @@ static inline void group_values_any(int64_t nv, const float* w, int64_t ld, cons
 static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, int64_t heads, int64_t dim,
                                const float* kp, const float* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
                                int64_t width, const int64_t* cp, float* op, double scale, int64_t window,
-                               int64_t block_size, bool small) {
+                               int64_t block_size, bool small, float softcap, const float* sinks) {
   // keys (value rows) prefetched ahead, two blocks at `block_size` 16: 64 rows at 300 positions, best of 20, three
   // alternating processes, 16 / 32 / 64 ahead: 1175-1392 / 1099-1130 / 1135-1241 us a layer
   constexpr int64_t AHEAD = 32;
@@ -446,10 +461,11 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
         for (int64_t l = 0; l < dim / 16; ++l) prefetch_l2(vrows[i] + 16 * l);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * n16;
+        if (softcap > 0.f) soft_cap(sg, n, softcap);
         __m512 top = _mm512_set1_ps(-INFINITY);
         for (int64_t i = 0; i < n; i += 16)
           top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, n - i >= 16 ? 0xffff : (1u << (n - i)) - 1, sg + i));
-        total[g] = exp_sum(sg, n, _mm512_reduce_max_ps(top));
+        total[g] = exp_sum_sink(sg, n, _mm512_reduce_max_ps(top), sinks ? sinks + h * group + g : nullptr);
       }
       for (int64_t g = 0; g < group;) {  // three heads x 64 dims of sums at a time (12 vectors)
         const int64_t take = std::min<int64_t>(3, group - g);
@@ -473,8 +489,17 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
 }
 #endif
 
+// Per query head, a sink's logit: where given, fp32 and one per head of `q`.
+static const float* sinks_of(const c10::optional<torch::Tensor>& sinks, const torch::Tensor& q) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->scalar_type() == torch::kFloat && sinks->is_contiguous() && sinks->numel() == q.size(1),
+              "attention sinks: contiguous fp32, one per query head");
+  return sinks->data_ptr<float>();
+}
+
 void paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables, torch::Tensor ctx,
-                  torch::Tensor out, double scale, int64_t window, int64_t block_size) {
+                  torch::Tensor out, double scale, int64_t window, int64_t block_size, double softcap,
+                  c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && tables.is_contiguous() && ctx.is_contiguous(),
               "paged_decode: contiguous inputs, head-major cache");
   TORCH_CHECK(q.scalar_type() == torch::kFloat && tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong,
@@ -482,7 +507,7 @@ void paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
   const int64_t heads = q.size(1), dim = q.size(2);
   decode_attention(q.data_ptr<float>(), heads * dim, q.size(0), heads, dim, k.data_ptr<float>(), v.data_ptr<float>(),
                    k.size(0), k.size(1), tables.data_ptr<int64_t>(), tables.size(1), ctx.data_ptr<int64_t>(),
-                   out.data_ptr<float>(), scale, window, block_size, q.size(0) <= 2);
+                   out.data_ptr<float>(), scale, window, block_size, q.size(0) <= 2, (float)softcap, sinks_of(sinks, q));
 }
 
 // Weights packed in panels of 16 output features for `panel_linear`: [ceil(N / 16), K, 16], each panel
@@ -1043,11 +1068,13 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10
 // tile's rows times `group` query heads against 64 keys at a time, both products `panel_tile`s (with 512-bit
 // vectors and whole panels, `panel_tile16`s over two of them: a 256-token chunk of SmolLM2's on an AMD EPYC, three
 // alternating processes, 744-1044 -> 639-741 us), with an online softmax. Keys past a row's position (or before
-// its window) weigh nothing; groups of 16 wholly outside are never read.
+// its window) weigh nothing; groups of 16 wholly outside are never read. `softcap` and `sinks` as in
+// `decode_attention`.
 static void prefill_attention(const float* qp, int64_t q_stride, int64_t rows_in, int64_t heads, int64_t dim,
                               const float* kp, const float* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
                               int64_t width, const int64_t* cp, const int64_t* lp, const int64_t* sp, int64_t chunks,
-                              float* op, double scale, int64_t window, int64_t block_size) {
+                              float* op, double scale, int64_t window, int64_t block_size, float softcap = 0.f,
+                              const float* sinks = nullptr) {
   constexpr int64_t ROWS = 8, KEYS = PANEL, SPAN = 4 * KEYS;
   const int64_t group = heads / kv_heads, dim_panels = (dim + PANEL - 1) / PANEL;
   const int64_t panel_floats = dim_panels * PANEL * KEYS;  // one group of 16 keys (or of their values)
@@ -1108,9 +1135,11 @@ static void prefill_attention(const float* qp, int64_t q_stride, int64_t rows_in
           for (int64_t d = 0; d < dim; ++d) qs[i * dim + d] = src[d] * fscale;
           hi[i] = first_pos + r;
           lo[i] = window > 0 ? std::max<int64_t>(0, hi[i] - window + 1) : 0;
+          // a sink starts the online softmax as one more key, of weight exp(0) at its own logit and no value
+          total[i] = sinks ? 1.f : 0.f;
+          if (sinks) mx[i] = sinks[h * group + g];
         }
       std::fill(acc.begin(), acc.begin() + nq * dim, 0.f);
-      std::fill(total.begin(), total.begin() + nq, 0.f);
       const float* kh = keys_of(j, h);
       const float* vh = values_of(j, h);
       const int64_t first_key = first_group[j] * KEYS, panel_stride = groups[j] * KEYS * PANEL;
@@ -1140,6 +1169,7 @@ static void prefill_attention(const float* qp, int64_t q_stride, int64_t rows_in
             std::fill(s, s + span, 0.f);
             continue;
           }
+          if (softcap > 0.f) soft_cap(s + c0, c1 - c0, softcap);
           float m = *std::max_element(s + c0, s + c1);
           if (total[i] > 0.f) {
             if (mx[i] >= m) m = mx[i];
@@ -1190,7 +1220,7 @@ static void prefill_attention(const float* qp, int64_t q_stride, int64_t rows_in
 
 void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables, torch::Tensor ctx,
                    torch::Tensor qlens, torch::Tensor starts, torch::Tensor out, double scale, int64_t window,
-                   int64_t block_size) {
+                   int64_t block_size, double softcap, c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && tables.is_contiguous() && out.is_contiguous() &&
               q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
               "paged_prefill: contiguous fp32 queries and head-major cache");
@@ -1201,7 +1231,8 @@ void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
   TORCH_CHECK(heads % kv_heads == 0 && out.sizes() == q.sizes(), "paged_prefill: shapes");
   prefill_attention(q.data_ptr<float>(), heads * dim, q.size(0), heads, dim, k.data_ptr<float>(), v.data_ptr<float>(), kv_heads,
                     k.size(1), tables.data_ptr<int64_t>(), tables.size(1), ctx.data_ptr<int64_t>(), qlens.data_ptr<int64_t>(),
-                    starts.data_ptr<int64_t>(), tables.size(0), out.data_ptr<float>(), scale, window, block_size);
+                    starts.data_ptr<int64_t>(), tables.size(0), out.data_ptr<float>(), scale, window, block_size,
+                    (float)softcap, sinks_of(sinks, q));
 }
 
 // Rows per parallel task for elementwise kernels: enough work per task that small steps stay on one thread.

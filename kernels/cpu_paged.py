@@ -44,20 +44,27 @@ class _CpuStep(_TorchStep):
         self.pre_qlens = int_tensor(lens, self.pre_ctx.device)
         self.pre_starts = int_tensor([0, *itertools.accumulate(lens)][:-1], self.pre_ctx.device)
 
-    def _decode(self, g, kc, vc, q, scaling, sliding_window) -> torch.Tensor:
+    def _decode(self, g, kc, vc, q, scaling, sliding_window, softcap=None, sinks=None) -> torch.Tensor:
         if q.dtype != torch.float32:
             raise NotImplementedError("the CPU attention kernel is fp32 only; use attention_backend='torch'")
         out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])
         # the cache is stored head-major: its transpose is contiguous
         self.kernel.paged_decode(q.transpose(0, 1).contiguous(), kc.transpose(0, 1), vc.transpose(0, 1),
-                                 self.dec_tables[g], self.dec_ctx, out, scaling, sliding_window or 0, self.block_size)
+                                 self.dec_tables[g], self.dec_ctx, out, scaling, sliding_window or 0, self.block_size,
+                                 softcap or 0.0, _fp32(sinks))
         return out
 
-    def _prefill(self, g, kc, vc, q, key, value, scaling, sliding_window) -> torch.Tensor:
+    def _prefill(self, g, kc, vc, q, key, value, scaling, sliding_window, softcap=None, sinks=None) -> torch.Tensor:
         if q.dtype != torch.float32:
             raise NotImplementedError("the CPU attention kernel is fp32 only; use attention_backend='torch'")
         qp = q[:, self.nd :].transpose(0, 1).contiguous()  # [T - nd, H, D]
         out = torch.empty_like(qp)
         self.kernel.paged_prefill(qp, kc.transpose(0, 1), vc.transpose(0, 1), self.pre_tables[g], self.pre_ctx,
-                                  self.pre_qlens, self.pre_starts, out, scaling, sliding_window or 0, self.block_size)
+                                  self.pre_qlens, self.pre_starts, out, scaling, sliding_window or 0, self.block_size,
+                                  softcap or 0.0, _fp32(sinks))
         return out
+
+
+def _fp32(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """Sinks as the kernels take them (a model's own may be of another dtype)."""
+    return None if sinks is None else sinks.detach().float().contiguous()

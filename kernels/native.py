@@ -3,7 +3,7 @@ into ``<jitney cache>/kernels``; `jitney setup` builds them ahead). Where they c
 back to torch: `available()` says which.
 
 - `paged_decode`, `paged_prefill`: attention of decode rows and of prefill chunks, read in place through the
-  block tables (`kernels/cpu_paged.py`).
+  block tables, with soft-capping and attention sinks where a model has them (`kernels/cpu_paged.py`).
 - `pack_panels`, `panel_linear`: fp32 `x @ w.T + b` through weights packed in panels of 16 output features,
   `w` given as a list of row blocks packed as one (stacked projections) (`kernels/cpu_linear.py`).
 - `rms_norm`, `rotary_`, `silu_mul`: a decoder layer's elementwise work in one pass each

@@ -20,6 +20,8 @@ class TorchPagedAttention:
 
 
 class _TorchStep:
+    supports = frozenset({"softcap", "sinks"})
+
     def __init__(self, step: StepInputs):
         self.keys, self.values = step.keys, step.values
         self.group_of_layer = step.group_of_layer
@@ -101,7 +103,7 @@ class _TorchStep:
             self._masks[key] = m
         return self._masks[key]
 
-    def __call__(self, layer, query, key, value, scaling, sliding_window):
+    def __call__(self, layer, query, key, value, scaling, sliding_window, *, softcap=None, sinks=None):
         g = self.group_of_layer[layer]
         kc, vc = self.keys[layer], self.values[layer]
         # [1, KVH, T, D] -> [T, KVH, D] is a view of transformers' own layout, so this copy is contiguous.
@@ -110,15 +112,15 @@ class _TorchStep:
         vc.index_copy_(0, self.write_slots[g], v_new)
         q = query[0]  # [H, T, D]
         if not self.np:  # decode rows only
-            return self._decode(g, kc, vc, q, scaling, sliding_window).unsqueeze(0)
+            return self._decode(g, kc, vc, q, scaling, sliding_window, softcap, sinks).unsqueeze(0)
         out = torch.empty(self.T, q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
         if self.nd:
-            out[: self.nd] = self._decode(g, kc, vc, q[:, : self.nd], scaling, sliding_window)
+            out[: self.nd] = self._decode(g, kc, vc, q[:, : self.nd], scaling, sliding_window, softcap, sinks)
         if self.np:
-            out[self.nd :] = self._prefill(g, kc, vc, q, key, value, scaling, sliding_window)
+            out[self.nd :] = self._prefill(g, kc, vc, q, key, value, scaling, sliding_window, softcap, sinks)
         return out.unsqueeze(0)
 
-    def _decode(self, g, kc, vc, q, scaling, sliding_window) -> torch.Tensor:
+    def _decode(self, g, kc, vc, q, scaling, sliding_window, softcap=None, sinks=None) -> torch.Tensor:
         """Decode rows ([H, nd, D] queries) -> [nd, H, D]: batched matmuls over (KV head, row), each row's
         query heads under one KV head against that head's gathered context (SDPA's CPU kernels are slow on
         so few query rows per call)."""
@@ -128,16 +130,20 @@ class _TorchStep:
         qd = (q * scaling).view(kvh, group, nd, dim).transpose(1, 2).reshape(kvh * nd, group, dim)
         kd, vd = self._gather("decode", kc, vc, self.dec_blocks[g])
         scores = torch.bmm(qd, kd.view(kvh * nd, ld, dim).transpose(1, 2))
+        if softcap is not None:
+            _softcap_(scores, softcap)
         scores.view(kvh, nd, group, ld).masked_fill_(self._mask("decode", sliding_window), float("-inf"))
-        od = torch.bmm(torch.softmax(scores, dim=-1), vd.view(kvh * nd, ld, dim))
+        weights = _softmax(scores.view(kvh, nd, group, ld), None if sinks is None else sinks.view(kvh, 1, group, 1))
+        od = torch.bmm(weights.reshape(kvh * nd, group, ld), vd.view(kvh * nd, ld, dim))
         return od.view(kvh, nd, group, dim).permute(1, 0, 2, 3).reshape(nd, heads, dim)
 
-    def _prefill(self, g, kc, vc, q, key, value, scaling, sliding_window) -> torch.Tensor:
+    def _prefill(self, g, kc, vc, q, key, value, scaling, sliding_window, softcap=None, sinks=None) -> torch.Tensor:
         """Prefill chunks (rows after the decodes of `q`, [H, T, D]) -> [T - nd, H, D]."""
         heads, _, dim = q.shape
         kvh = kc.shape[1]
         np_, qmax, lp = self.np, self.qmax, self.lp
-        if self.fresh and sliding_window is None:
+        plain = softcap is None and sinks is None  # what SDPA computes
+        if self.fresh and sliding_window is None and plain:
             qp = q[:, self.nd :].unsqueeze(0)
             kp = key[:, :, self.nd :]
             vp = value[:, :, self.nd :]
@@ -146,7 +152,38 @@ class _TorchStep:
         qp = q.index_select(1, self.pre_rows).view(heads, np_, qmax, dim).transpose(0, 1)
         kp, vp = self._gather("prefill", kc, vc, self.pre_blocks[g])
         kp, vp = kp.view(kvh, np_, lp, dim).transpose(0, 1), vp.view(kvh, np_, lp, dim).transpose(0, 1)
-        op = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=self._mask("prefill", sliding_window), scale=scaling, enable_gqa=heads != kvh
-        )
+        mask = self._mask("prefill", sliding_window)
+        if plain:
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scaling, enable_gqa=heads != kvh)
+        else:
+            op = _attend(qp, kp, vp, mask, scaling, softcap, sinks)
         return op.transpose(1, 2).reshape(np_ * qmax, heads, dim).index_select(0, self.pre_unpad)
+
+
+def _softcap_(scores: torch.Tensor, softcap: float) -> None:
+    """Soft-cap scaled scores in place; before the mask, as transformers' eager attention does."""
+    scores.div_(softcap).tanh_().mul_(softcap)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim; a sink ([..., 1], broadcast over `scores`' rows) joins each row's denominator
+    and is dropped after: it takes weight from the keys but adds no value."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sinks = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+
+
+def _attend(q, k, v, allowed, scaling, softcap, sinks) -> torch.Tensor:
+    """What SDPA computes (q [P, heads, n, D] over k, v [P, kv_heads, L, D] where `allowed`), with soft-capping
+    and sinks, which SDPA has no place for."""
+    p, heads, n, dim = q.shape
+    kvh, length = k.shape[1], k.shape[2]
+    group = heads // kvh
+    # a KV head's query heads side by side as one taller query: no copy of K or V per query head
+    scores = ((q * scaling).reshape(p, kvh, group * n, dim) @ k.transpose(2, 3)).view(p, heads, n, length)
+    if softcap is not None:
+        _softcap_(scores, softcap)
+    scores.masked_fill_(~allowed, float("-inf"))
+    weights = _softmax(scores, None if sinks is None else sinks.view(heads, 1, 1))
+    return (weights.reshape(p, kvh, group * n, length) @ v).view(p, heads, n, dim)

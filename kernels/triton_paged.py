@@ -14,8 +14,9 @@ from jitney.kernels.base import StepInputs
 
 
 @triton.jit
-def _attend_block(q, acc, m_i, l_i, k_ptr, v_ptr, table_ptr, j, qpos, kmax, kvh, scale, window,
-                  stride_s, stride_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _attend_block(q, acc, m_i, l_i, k_ptr, v_ptr, table_ptr, j, qpos, kmax, kvh, scale, window, softcap,
+                  stride_s, stride_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr):
     """Online-softmax update of `acc` with cache block `j` of a request (q: [ROWS, D], qpos: [ROWS]).
     Slots past `kmax`, the last key any row may see, are never read: they may hold anything."""
     block = tl.load(table_ptr + j)
@@ -27,6 +28,9 @@ def _attend_block(q, acc, m_i, l_i, k_ptr, v_ptr, table_ptr, j, qpos, kmax, kvh,
     k = tl.load(k_ptr + rows[:, None] * stride_s + kvh * stride_h + offs_d[None, :], mask=written, other=0.0)
     v = tl.load(v_ptr + rows[:, None] * stride_s + kvh * stride_h + offs_d[None, :], mask=written, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # fp32 stays fp32 (no TF32)
+    if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh through exp: the interpreter has no libdevice
+        e = tl.exp(-2.0 * tl.abs(s) / softcap)
+        s = tl.where(s < 0, -softcap, softcap) * (1.0 - e) / (1.0 + e)
     allowed = kpos[None, :] <= qpos[:, None]
     if HAS_WINDOW:
         allowed = allowed & (kpos[None, :] > qpos[:, None] - window)
@@ -41,9 +45,17 @@ def _attend_block(q, acc, m_i, l_i, k_ptr, v_ptr, table_ptr, j, qpos, kmax, kvh,
 
 
 @triton.jit
+def _sink_start(sinks_ptr, heads, live, l_i):
+    """The online softmax's state before any key where each head has a sink: one key seen, at the sink's logit,
+    of weight exp(0) and no value."""
+    return tl.load(sinks_ptr + heads, mask=live, other=0.0), l_i + 1.0
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ctx_ptr, scale, window,
-                   stride_qt, stride_qh, stride_s, stride_h, stride_tab, GROUP: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                   stride_qt, stride_qh, stride_s, stride_h, stride_tab, sinks_ptr, softcap, GROUP: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     """One program per (decode row, KV head): the row's GROUP query heads attend over its whole context."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -56,20 +68,23 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, ctx_ptr, scale, win
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if HAS_SINKS:
+        m_i, l_i = _sink_start(sinks_ptr, heads, offs_g < GROUP, l_i)
     first = 0
     if HAS_WINDOW:
         first = tl.maximum(ctx - window, 0) // BLOCK
     for j in range(first, tl.cdiv(ctx, BLOCK)):
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr + row * stride_tab, j, qpos, ctx - 1, kvh,
-                                      scale, window, stride_s, stride_h, BLOCK, HEAD_DIM, HAS_WINDOW)
+                                      scale, window, softcap, stride_s, stride_h, BLOCK, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], acc, mask=offs_g[:, None] < GROUP)
 
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, tile_req_ptr, tile_row_ptr, tile_len_ptr, tile_pos_ptr,
-                    scale, window, stride_qt, stride_qh, stride_s, stride_h, stride_tab, GROUP: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                    scale, window, stride_qt, stride_qh, stride_s, stride_h, stride_tab, sinks_ptr, softcap,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     """One program per (tile of up to BLOCK_M query rows of one chunk, query head): causal attention over the
     request's cache, which already holds this step's keys."""
     tile = tl.program_id(0)
@@ -88,12 +103,14 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, tile_req_ptr, tile
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        m_i, l_i = _sink_start(sinks_ptr, tl.zeros([BLOCK_M], dtype=tl.int32) + head, live, l_i)
     first = 0
     if HAS_WINDOW:
         first = tl.maximum(pos0 - window + 1, 0) // BLOCK
     for j in range(first, tl.cdiv(pos0 + n, BLOCK)):
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_ptr, v_ptr, tables_ptr + req * stride_tab, j, qpos, pos0 + n - 1, kvh,
-                                      scale, window, stride_s, stride_h, BLOCK, HEAD_DIM, HAS_WINDOW)
+                                      scale, window, softcap, stride_s, stride_h, BLOCK, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], acc, mask=live[:, None])
 
@@ -110,6 +127,8 @@ class TritonPagedAttention:
 
 
 class _TritonStep:
+    supports = frozenset({"softcap", "sinks"})
+
     def __init__(self, step: StepInputs, block_m: int):
         self.keys, self.values, self.group_of_layer = step.keys, step.values, step.group_of_layer
         self.block_size = step.block_size
@@ -131,7 +150,7 @@ class _TritonStep:
             torch.tensor(c, dtype=torch.int32, device=device) for c in zip(*tiles)) if tiles else (None,) * 4
         self.block_m = block_m
 
-    def __call__(self, layer, query, key, value, scaling, sliding_window):
+    def __call__(self, layer, query, key, value, scaling, sliding_window, *, softcap=None, sinks=None):
         g = self.group_of_layer[layer]
         kc, vc = self.keys[layer], self.values[layer]
         kc.index_copy_(0, self.write_slots[g], key[0].transpose(0, 1))
@@ -143,7 +162,9 @@ class _TritonStep:
         out = torch.full_like(q, float("nan"))  # poisoned: a row no kernel wrote shows up at once
         window = sliding_window if sliding_window is not None else 0
         table = self.tables[g]
-        common = dict(BLOCK=self.block_size, HEAD_DIM=dim, HAS_WINDOW=sliding_window is not None)
+        common = dict(BLOCK=self.block_size, HEAD_DIM=dim, HAS_WINDOW=sliding_window is not None,
+                      HAS_SOFTCAP=softcap is not None, softcap=softcap or 1.0, HAS_SINKS=sinks is not None,
+                      sinks_ptr=q if sinks is None else sinks.detach().float().contiguous())  # (q: never read)
         if self.nd:
             _decode_kernel[(self.nd, kvh)](
                 q, kc, vc, out, table, self.decode_ctx, scaling, window, q.stride(0), q.stride(1), kc.stride(0),

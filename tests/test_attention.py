@@ -11,17 +11,23 @@ from jitney.cache import CacheManager
 from jitney.kernels import StepInputs, TorchPagedAttention
 
 
-def dense(q, k, v, qpos, window):
-    """Reference: q [H, n, D] at absolute positions `qpos` over k/v [KVH, L, D] of one sequence."""
+def dense(q, k, v, qpos, window, softcap=None, sinks=None):
+    """Reference: q [H, n, D] at absolute positions `qpos` over k/v [KVH, L, D] of one sequence; soft-capping
+    and sinks ([H]) as transformers' Gemma2 and GPT-OSS eager attention compute them."""
     heads, kvh = q.shape[0], k.shape[0]
     k, v = k.repeat_interleave(heads // kvh, 0), v.repeat_interleave(heads // kvh, 0)
     scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     kpos = torch.arange(k.shape[1])
     allowed = kpos[None, :] <= qpos[:, None]
     if window is not None:
         allowed &= kpos[None, :] > qpos[:, None] - window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(scores, -1) @ v  # [H, n, D]
+    if sinks is None:
+        return torch.softmax(scores, -1) @ v  # [H, n, D]
+    sink = sinks[:, None, None].expand(heads, len(qpos), 1)
+    return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ v
 
 
 def triton_backend():
@@ -64,7 +70,19 @@ def test_cpu_decode_over_head_sizes_and_groups_matches_dense(dim, heads, kv_head
     check_against_dense(cpu_backend, 16, heads, kv_heads, window, dim, [(0, 1), (15, 1), (16, 1), (40, 1), (100, 1), (3, 2)])
 
 
-def check_against_dense(backend, block_size, heads, kv_heads, window, dim, shapes):
+@pytest.mark.parametrize("backend", [TorchPagedAttention, triton_backend, cpu_backend])
+@pytest.mark.parametrize("softcap, sinks", [(1.0, False), (None, True), (2.0, True)], ids=["softcap", "sinks", "both"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dim", [8, 64])
+def test_soft_capping_and_sinks_match_dense(backend, softcap, sinks, window, dim):
+    """Gemma2's soft-capping and GPT-OSS's attention sinks on decode rows and prefill chunks (64: the CPU
+    kernels' 16-wide paths)."""
+    sink_logits = torch.randn(4) * 2 if sinks else None
+    check_against_dense(backend, 4, 4, 2, window, dim, [(5, 1), (17, 1), (0, 1), (0, 9), (13, 7), (2, 21)],
+                        softcap=softcap, sinks=sink_logits)
+
+
+def check_against_dense(backend, block_size, heads, kv_heads, window, dim, shapes, softcap=None, sinks=None):
     # Fresh random inputs each run: the seed is not fixed.
     cache = CacheManager(1, kv_heads, dim, block_size, 64, torch.float32, torch.device("cpu"))
     for store in cache.keys + cache.values:  # poison every slot no request writes
@@ -94,10 +112,11 @@ def check_against_dense(backend, block_size, heads, kv_heads, window, dim, shape
     q = torch.randn(1, heads, step.positions.numel(), dim)
     k = torch.cat([fk[:, c:] for fk, (c, _) in zip(full_k, shapes)], 1)[None]
     v = torch.cat([fv[:, c:] for fv, (c, _) in zip(full_v, shapes)], 1)[None]
-    out = attention.prepare(step)(0, q, k, v, dim ** -0.5, window)
+    features = {name: f for name, f in (("softcap", softcap), ("sinks", sinks)) if f is not None}
+    out = attention.prepare(step)(0, q, k, v, dim ** -0.5, window, **features)
     assert out.shape == (1, step.positions.numel(), heads, dim)
     row = 0
     for i, (c, n) in enumerate(shapes):
-        want = dense(q[0, :, row : row + n], full_k[i], full_v[i], torch.arange(c, c + n), window)
+        want = dense(q[0, :, row : row + n], full_k[i], full_v[i], torch.arange(c, c + n), window, softcap, sinks)
         torch.testing.assert_close(out[0, row : row + n].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
         row += n

@@ -9,7 +9,9 @@ import transformers as T
 from support import reference
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
+from jitney.core.hooks import hookimpl
 from jitney.core.selfcheck import UnfaithfulModel
+from jitney.kernels import TorchPagedAttention
 
 
 def tiny(config_class, model_class, **kw):
@@ -29,13 +31,15 @@ REFUSED = {
                "never reaches jitney's attention function"),
     "stablelm": (lambda: tiny(T.StableLmConfig, T.StableLmForCausalLM, num_key_value_heads=2),
                  "do not pass the step's data down"),
-    "gpt-oss": (lambda: tiny(T.GptOssConfig, T.GptOssForCausalLM, num_key_value_heads=2, num_local_experts=4,
-                             num_experts_per_tok=2, head_dim=16, sliding_window=8,
-                             layer_types=["sliding_attention", "full_attention"]),
-                "attention sinks"),
-    "gemma2 soft-capped": (lambda: tiny(T.Gemma2Config, T.Gemma2ForCausalLM, num_key_value_heads=2, head_dim=16,
-                                        sliding_window=8, query_pre_attn_scalar=16),
-                           "soft-capping"),
+}
+
+FEATURED = {  # models whose attention has a feature beyond causal attention (tests/test_attention_features.py)
+    "gpt-oss": lambda: tiny(T.GptOssConfig, T.GptOssForCausalLM, num_key_value_heads=2, num_local_experts=4,
+                            num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"]),
+    # scores scaled by 1 and capped at 2: the cap changes this tiny model's tokens (Gemma2's own 50 would not)
+    "gemma2 soft-capped": lambda: tiny(T.Gemma2Config, T.Gemma2ForCausalLM, num_key_value_heads=2, head_dim=16,
+                                       sliding_window=8, query_pre_attn_scalar=1, attn_logit_softcapping=2.0),
 }
 
 
@@ -71,3 +75,26 @@ async def test_a_cache_too_small_for_the_check_skips_it_with_a_warning(caplog):
     async with Engine(model, config=EngineConfig(num_blocks=1, block_size=4)) as engine:
         assert engine.healthy
     assert any("too small to check" in r.getMessage() for r in caplog.records)
+
+
+class PlainBackend:
+    """A third-party backend written before soft-capping and sinks: its steps take neither keyword."""
+
+    @hookimpl
+    def jitney_register_attention_backends(self, register):
+        register("plain", lambda device: self)
+
+    def prepare(self, step):
+        attend = TorchPagedAttention().prepare(step)
+        return lambda layer, query, key, value, scaling, window: attend(layer, query, key, value, scaling, window)
+
+
+@pytest.mark.parametrize("name, feature", [("gpt-oss", "attention sinks"),
+                                           ("gemma2 soft-capped", "attention logit soft-capping")])
+async def test_a_backend_without_a_feature_the_model_uses_refuses_it(name, feature):
+    model = FEATURED[name]()
+    engine = Engine(model, config=EngineConfig(num_blocks=32, attention_backend="plain"), plugins=[PlainBackend()])
+    with pytest.raises(UnfaithfulModel, match=f"attention backend does not support {feature}"):
+        async with engine:
+            pass
+    assert not engine.healthy
