@@ -72,20 +72,26 @@ class PhaseTimes:
         return timed
 
 
-def measure(model, tokenizer, requests: int = 256, prompt_len: int = 64, new_tokens: int = 200, block_size: int = 16) -> dict:
+def measure(model, tokenizer, requests: int = 256, prompt_len: int = 64, new_tokens: int = 200, block_size: int = 16,
+            **config_fields) -> dict:
     """Run `requests` requests through the engine with the model replaced by `NullForward`; per-step times
     once every request is decoding. Prompts are `prompt_len` plus 0 to `block_size` - 1 tokens, so that, as
     in real traffic, a sixteenth of the requests starts a new block at every step (with equal prompts all of
-    them would, together, every sixteenth step, and the median step would see none)."""
+    them would, together, every sixteenth step, and the median step would see none). `model` may live on
+    torch's meta device (a config alone: the steps' inputs are then built on the CPU)."""
+    import torch
+
     from jitney import Engine, EngineConfig, Request, SamplingParams
 
     longest = prompt_len + block_size - 1
     blocks = requests * -(-(longest + new_tokens) // block_size)
-    config = EngineConfig(num_blocks=blocks, block_size=block_size, max_batch_tokens=requests * longest,
-                          max_requests_per_batch=requests)
+    config = EngineConfig(**{"num_blocks": blocks, "block_size": block_size, "max_batch_tokens": requests * longest,
+                             "max_requests_per_batch": requests, **config_fields})
     times = StepTimes()
     engine = Engine(model, tokenizer, config, plugins=[times])
     engine.executor.forward = NullForward(engine.executor)
+    if engine.executor.device.type == "meta":
+        engine.executor.device = torch.device("cpu")
     phases = PhaseTimes(engine)
 
     async def main() -> None:

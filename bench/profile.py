@@ -1,9 +1,10 @@
 """Step-time profiles for `jitney simulate`, and `jitney calibrate`, which fits one on this machine.
 
 A step's time is modelled as a non-negative sum over its shape: a fixed cost, the query tokens (the linear
-layers), the sampled rows (the LM head), the KV tokens decode rows read, and the prefill chunks' attention
-work (query tokens x context). `jitney calibrate` times real steps of a grid of workloads through the engine
-itself and fits the coefficients."""
+layers), the sampled rows (the LM head), the KV tokens decode rows read, the prefill chunks' attention work
+(query tokens x context), and for a speculative step its draft's passes. `jitney calibrate` times real steps
+of a grid of workloads through the engine itself, fits the coefficients, and measures how often the draft's
+proposals are accepted."""
 
 from __future__ import annotations
 
@@ -20,14 +21,20 @@ import numpy as np
 import torch
 
 FEATURES = ("step", "query_tokens", "sampled_rows", "decode_kv_ktokens", "decode_kv_distinct_ktokens",
-            "prefill_attention_mtokens2")
+            "prefill_attention_mtokens2", "draft_passes", "draft_tokens", "draft_kv_ktokens")
 """What a step's time is predicted from (KV tokens in thousands, prefill attention in millions of query x key
 pairs). Decode rows sharing a prefix read the same blocks: those reads come from the CPU's caches, so the
-distinct KV tokens read are a feature of their own."""
+distinct KV tokens read are a feature of their own. A speculative step (`FusedDecoder.speculate`) is its
+draft's k passes over every row (each pass reads the int8 weights once) and one pass of the model over each
+row's token and its k proposals: that pass's shape fills the first features, the draft's the last three."""
+
+SPECULATIVE = FEATURES.index("draft_passes")
+"""The first feature only speculative steps have: a profile fitted without any has no coefficients from here."""
 
 
-def features(step, sampled: int) -> list[float]:
-    """A step's shape (`StepInputs`), in `FEATURES` order."""
+def features(step, sampled: int, speculate: int = 0) -> list[float]:
+    """A step's shape (`StepInputs`), in `FEATURES` order; `speculate`: the draft tokens of each row (its
+    entries are then all one-token decodes, `sampled` of them)."""
     query_lens, context_lens = step.query_lens, step.context_lens
     decode_kv = sum(c for q, c in zip(query_lens, context_lens) if q == 1)
     prefill_attention = sum(q * c for q, c in zip(query_lens, context_lens) if q > 1)
@@ -35,7 +42,15 @@ def features(step, sampled: int) -> list[float]:
     if step.num_decodes:  # (decode rows come first) distinct blocks they read, the padding block aside
         blocks = torch.unique(step.block_tables[0][: step.num_decodes].cpu())
         distinct = (len(blocks) - int(bool((blocks == step.padding_slot // step.block_size).any()))) * step.block_size
-    return [1.0, float(sum(query_lens)), float(sampled), decode_kv / 1e3, distinct / 1e3, prefill_attention / 1e6]
+    if not speculate:
+        return [1.0, float(sum(query_lens)), float(sampled), decode_kv / 1e3, distinct / 1e3,
+                prefill_attention / 1e6, 0.0, 0.0, 0.0]
+    rows, k = len(query_lens), speculate
+    # the draft's pass j and the model's row j of each request read j tokens more than its decode would
+    draft_kv = k * decode_kv + rows * k * (k - 1) / 2
+    checked_kv = (k + 1) * decode_kv + rows * k * (k + 1) / 2
+    return [1.0, float(rows * (k + 1)), float(rows * (k + 1)), checked_kv / 1e3, distinct / 1e3, 0.0,
+            float(k), float(rows * k), draft_kv / 1e3]
 
 
 class StepProfile(msgspec.Struct, frozen=True):
@@ -49,6 +64,14 @@ class StepProfile(msgspec.Struct, frozen=True):
     total_error: float
     """Relative error of their sum (what a simulated wall time inherits)."""
     steps: int
+    acceptance: float | None = None
+    """The chance that the draft's next proposal is the model's own token, measured on the calibration's
+    speculative steps (text through the chat template); None: fitted without speculation (or analytic), and
+    simulations of it do not speculate."""
+
+    @property
+    def speculates(self) -> bool:
+        return self.acceptance is not None and len(self.coefficients) > SPECULATIVE
 
     def predict(self, shape: list[float]) -> float:
         return max(0.0, sum(c * x for c, x in zip(self.coefficients, shape)))
@@ -56,8 +79,9 @@ class StepProfile(msgspec.Struct, frozen=True):
     def describe(self) -> str:
         if not self.steps:
             return f"{self.model} on {self.machine} (not fitted)"
+        drafts = f", draft proposals accepted {self.acceptance:.0%}" if self.speculates else ", no speculation"
         return (f"{self.model} on {self.machine}: fit error {self.fit_error:.1%} a step, {self.total_error:+.1%} in "
-                f"total, over {self.steps} steps")
+                f"total, over {self.steps} steps{drafts}")
 
 
 def fit(shapes: list[list[float]], seconds: list[float], sweeps: int = 2000) -> list[float]:
@@ -109,19 +133,25 @@ def load_profile(path: str | None, model: str) -> StepProfile:
 
 
 class StepRecorder:
-    """Wraps `StepExecutor.forward` of a real engine: each step's shape and the seconds its forward took."""
+    """Wraps `StepExecutor.forward` of a real engine: each step's shape and the seconds its forward took, and of
+    speculative steps' proposals, how many were accepted (those after a rejected one are never checked)."""
 
     def __init__(self, executor):
         self.executor, self.forward = executor, executor.forward
         self.shapes: list[list[float]] = []
         self.seconds: list[float] = []
+        self.accepted = self.rejected = 0
         executor.forward = self
 
     def __call__(self, prepared, started):
         t = time.perf_counter()
         result = self.forward(prepared, started)
         self.seconds.append(time.perf_counter() - t)
-        self.shapes.append(features(prepared.step, len(prepared.params)))
+        self.shapes.append(features(prepared.step, len(prepared.params), prepared.speculate))
+        for i in prepared.sampled_entries if prepared.speculate else ():
+            taken = len(result[i]) - 1
+            self.accepted += taken
+            self.rejected += taken < prepared.speculate
         return result
 
 
@@ -142,14 +172,20 @@ def calibration_workloads(vocab: int) -> list[list[tuple[list[int], int]]]:
 
 
 def calibrate(model, tokenizer, model_name: str, **config_fields) -> StepProfile:
-    """Time real steps of `calibration_workloads` through the engine (no speculation) and fit a profile."""
+    """Time real steps of `calibration_workloads` through the engine (no speculation), and of chat requests
+    with the engine's own speculation where it speculates, and fit a profile."""
     from jitney import Engine, EngineConfig, Request, SamplingParams
+    from jitney.bench.workloads import chat
 
     shapes, seconds = [], []
+    accepted = rejected = 0
     vocab = model.config.get_text_config().vocab_size
-    for work in calibration_workloads(vocab):
+    plan = [(work, 0) for work in calibration_workloads(vocab)]
+    if tokenizer is not None:  # (speculative_tokens None: the engine's default, where it speculates)
+        plan += [(chat(tokenizer, 1), None), (chat(tokenizer, 4), None)]
+    for work, speculate in plan:
         blocks = sum(-(-(len(p) + n) // 16) for p, n in work) + 8
-        config = EngineConfig(**{"num_blocks": blocks, "speculative_tokens": 0,
+        config = EngineConfig(**{"num_blocks": blocks, "speculative_tokens": speculate,
                                  "max_requests_per_batch": max(64, len(work)), **config_fields})
         engine = Engine(model, tokenizer, config)
         recorder = StepRecorder(engine.executor)
@@ -162,21 +198,38 @@ def calibrate(model, tokenizer, model_name: str, **config_fields) -> StepProfile
         anyio.run(main)
         shapes += recorder.shapes[1:]  # (the first step of each engine pays for warming up)
         seconds += recorder.seconds[1:]
+        accepted, rejected = accepted + recorder.accepted, rejected + recorder.rejected
     coefficients = fit(shapes, seconds)
+    # Each proposal accepted with one chance p, independently: p's maximum-likelihood estimate over the rows
+    # seen is accepted / (accepted + rejections), a row's run ending at its first rejection or at k.
     predicted = [max(0.0, float(np.dot(coefficients, s))) for s in shapes]
     errors = [abs(p - y) / y for p, y in zip(predicted, seconds) if y > 0]
     return StepProfile(model=model_name, machine=machine_tag(), coefficients=coefficients,
                        fit_error=round(sum(errors) / len(errors), 4),
-                       total_error=round(sum(predicted) / sum(seconds) - 1, 4), steps=len(shapes))
+                       total_error=round(sum(predicted) / sum(seconds) - 1, 4), steps=len(shapes),
+                       acceptance=round(accepted / (accepted + rejected), 4) if accepted + rejected else None)
+
+
+def host_overhead(model) -> tuple[float, float]:
+    """The engine's own time per step on this machine, its forward costing nothing (`bench/overhead.py`:
+    scheduler, cache manager, building the step's inputs, the forward thread's hop, the bus), at 16 and 128
+    decoding requests: (seconds a step, seconds more a decode row). `model`: any (meta) model."""
+    from jitney.bench.overhead import measure
+
+    small, large = (measure(model, None, requests=n, new_tokens=48, check_model=False, speculative_tokens=0)
+                    for n in (16, 128))
+    per_row = max(0.0, (large["step_ms_mean"] - small["step_ms_mean"]) / (128 - 16) / 1000)
+    return max(0.0, small["step_ms_mean"] / 1000 - 16 * per_row), per_row
 
 
 def analytic(model, tflops: float, gbps: float, dtype_bytes: int = 2, name: str = "model",
-             step_overhead_s: float = 0.0) -> StepProfile:
+             step_overhead_s: float = 0.0, row_overhead_s: float = 0.0) -> StepProfile:
     """A profile for hardware you do not have, from its peak matmul rate (TFLOP/s) and memory bandwidth (GB/s):
     a step reads every weight once; each query token costs 2 FLOPs a weight (the LM head only for sampled rows);
     a decode row reads its KV; prefill attention costs 4 FLOPs per layer, head, head dimension and query x key
-    pair. Compute and memory are added, not overlapped: an upper bound for the device's own work; what the host
-    adds per step (kernel launches, Python) is `step_overhead_s`, to be measured. `model`: any (meta) model."""
+    pair. Compute and memory are added, not overlapped: an upper bound for the device's own work. The host's
+    time is added to it: `step_overhead_s` a step and `row_overhead_s` a sampled row (`host_overhead` measures
+    the engine's own; kernel launches are not in it). `model`: any (meta) model."""
     mc = model.config.get_text_config()
     heads = mc.num_attention_heads
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
@@ -186,8 +239,9 @@ def analytic(model, tflops: float, gbps: float, dtype_bytes: int = 2, name: str 
     per_token = 2 * (params - 2 * head if not getattr(mc, "tie_word_embeddings", False) else params - head)
     flop_s, byte_s = tflops * 1e12, gbps * 1e9
     kv_per_token = 2 * mc.num_hidden_layers * kv_heads * head_dim * dtype_bytes
-    coefficients = [params * dtype_bytes / byte_s + step_overhead_s, max(0, per_token) / flop_s, 2 * head / flop_s,
-                    kv_per_token * 1e3 / byte_s, 0.0, 4 * mc.num_hidden_layers * heads * head_dim * 1e6 / flop_s]
+    coefficients = [params * dtype_bytes / byte_s + step_overhead_s, max(0, per_token) / flop_s,
+                    2 * head / flop_s + row_overhead_s, kv_per_token * 1e3 / byte_s, 0.0,
+                    4 * mc.num_hidden_layers * heads * head_dim * 1e6 / flop_s]
     return StepProfile(model=name, machine=f"analytic: {tflops:g} TFLOP/s, {gbps:g} GB/s, {dtype_bytes}-byte weights",
                        coefficients=coefficients, fit_error=0.0, total_error=0.0, steps=0)
 
@@ -200,8 +254,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tflops", type=float, default=None, help="peak dense matmul TFLOP/s at the weights' type")
     parser.add_argument("--gbps", type=float, default=None, help="memory bandwidth, GB/s")
     parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes a weight and a KV value (2: bf16)")
-    parser.add_argument("--step-overhead-ms", type=float, default=0.0,
-                        help="host time a step adds (launches, Python): not modelled, give what you measured")
+    parser.add_argument("--step-overhead-ms", type=float, default=None,
+                        help="host time a step adds (launches, Python); default: the engine's own, measured here "
+                             "with a forward that costs nothing (kernel launches not included)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -212,8 +267,16 @@ def main(args: argparse.Namespace) -> int:
 
         if not (args.tflops and args.tflops > 0 and args.gbps and args.gbps > 0 and args.out):
             raise ValueError("--analytic needs --tflops > 0, --gbps > 0 and --out FILE")
-        profile = analytic(meta_model(args.model), args.tflops, args.gbps, args.dtype_bytes, args.model,
-                           args.step_overhead_ms / 1000)
+        if args.step_overhead_ms is not None and args.step_overhead_ms < 0:
+            raise ValueError("--step-overhead-ms must be >= 0")
+        model = meta_model(args.model)
+        if args.step_overhead_ms is None:
+            step_s, row_s = host_overhead(model)
+            print(f"the engine's own time on this machine: {step_s * 1e3:.2f} ms a step + {row_s * 1e6:.1f} µs a row "
+                  f"(give --step-overhead-ms to use another figure)")
+        else:
+            step_s, row_s = args.step_overhead_ms / 1000, 0.0
+        profile = analytic(model, args.tflops, args.gbps, args.dtype_bytes, args.model, step_s, row_s)
         Path(args.out).write_bytes(msgspec.json.encode(profile))
         print(f"{profile.describe()}; written to {args.out}")
         return 0

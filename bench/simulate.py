@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -16,9 +17,10 @@ from pathlib import Path
 
 import anyio
 import anyio.lowlevel
+import msgspec
 import torch
 
-from jitney.bench.profile import StepProfile, features, load_profile
+from jitney.bench.profile import SPECULATIVE, StepProfile, features, load_profile
 from jitney.bench.stats import StepStats, percentile_ms
 from jitney.bench.workloads import WORKLOADS
 from jitney.core import events as ev
@@ -30,7 +32,8 @@ SIM_TOKEN = 7
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help='"smollm2", a checkpoint folder or a config.json (weights unused)')
-    parser.add_argument("--workload", default="multi-prefix", choices=sorted(k for k in WORKLOADS if "chat" not in k))
+    parser.add_argument("--workload", default="multi-prefix", choices=sorted(WORKLOADS),
+                        help="the chat ones need the model's tokenizer (a checkpoint folder, or smollm2)")
     parser.add_argument("--trace", default=None, help="a JSONL trace to replay instead (see `jitney trace`)")
     parser.add_argument("--scheduler", default="fifo", help="comma-separated schedulers: one run per (scheduler, eviction)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies")
@@ -38,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-share", type=float, default=None, help="cache size as a share of what the workload needs")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-batch-tokens", type=int, default=256)
+    parser.add_argument("--speculative-tokens", type=int, default=None,
+                        help="draft tokens a decode may get, as `EngineConfig.speculative_tokens` (simulated where the "
+                             "profile was calibrated with speculation)")
+    parser.add_argument("--acceptance", type=float, default=None,
+                        help="chance that a draft proposal is accepted (default: the profile's, measured on chat text)")
     parser.add_argument("--profile", default=None, help="a profile file (default: this machine's, from `jitney calibrate`)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the rows to this file")
     parser.add_argument("--timeline", default=None, metavar="FILE.png",
@@ -67,23 +75,39 @@ class VirtualClock:
 
 class SimulatedForward:
     """Stands in for `StepExecutor.forward`: the step's predicted time is added to the clock and every sampled
-    entry draws `SIM_TOKEN`."""
+    entry draws `SIM_TOKEN`. A speculative step's row takes each of its k proposals with the profile's
+    `acceptance` chance, up to its first rejection (a seeded draw: a simulation repeats exactly)."""
 
-    def __init__(self, executor, profile: StepProfile, clock: VirtualClock):
+    def __init__(self, executor, profile: StepProfile, clock: VirtualClock, seed: int = 0):
         self.executor, self.profile, self.clock = executor, profile, clock
         self.steps = 0
+        self.rng = random.Random(seed)
 
     def __call__(self, prepared, started):
         started()
-        seconds = self.profile.predict(features(prepared.step, len(prepared.params)))
+        k = prepared.speculate
+        seconds = self.profile.predict(features(prepared.step, len(prepared.params), k))
         self.clock.now += seconds
         self.executor.forward_s = seconds
         self.executor.row_errors = {}
         self.steps += 1
         result = [None] * prepared.num_entries
         for i, count in zip(prepared.sampled_entries, prepared.samples_per_entry):
-            result[i] = [SIM_TOKEN] * count
+            result[i] = [SIM_TOKEN] * (count + (self._accepted(k) if k else 0))
         return result
+
+    def _accepted(self, k: int) -> int:
+        taken = 0
+        while taken < k and self.rng.random() < self.profile.acceptance:
+            taken += 1
+        return taken
+
+
+class SimulatedDecoder:
+    """Stands in for the CPU's one-call decoder where the profile was calibrated with it: the engine then
+    plans speculative steps as it does there (`Engine._plan_speculation`), and `SimulatedForward` runs them."""
+
+    draft = None
 
 
 class InlineForward:
@@ -160,6 +184,21 @@ def meta_model(source: str):
         return AutoModelForCausalLM.from_config(config).eval()
 
 
+def tokenizer(source: str):
+    """The tokenizer of "smollm2" or a checkpoint folder (what the chat workloads' prompts are made with)."""
+    from transformers import AutoTokenizer
+
+    if source == "smollm2":
+        from jitney.core.models import embedded_checkpoint
+
+        source = str(embedded_checkpoint())
+    path = Path(source)
+    try:
+        return AutoTokenizer.from_pretrained(path.parent if path.is_file() else path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"the chat workloads need the model's tokenizer, and {source!r} has none: {exc}") from None
+
+
 async def _drive(engine, clock: VirtualClock, work: list[Arrival], timeline: Timeline) -> float:
     """Submit each request when the virtual clock reaches its arrival (jumping there when the engine is idle);
     returns the simulated wall time from the trace's time zero to the last token."""
@@ -200,10 +239,12 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timel
     timeline = Timeline()
     if timeline_path:
         plugins = [*plugins, schedule := ScheduleTimeline()]
-    config = EngineConfig(**{"check_model": False, "speculative_tokens": 0, **config_fields})
+    config = EngineConfig(**{"check_model": False, **config_fields})
     engine = Engine(model, None, config, plugins=[timeline, *plugins], clock=clock)
     forward = engine.executor.forward = SimulatedForward(engine.executor, profile, clock)
     engine.executor.device = torch.device("cpu")  # the steps' inputs are read by the cost model, not on meta
+    if profile.speculates:
+        engine.executor.decoder = SimulatedDecoder()
 
     ran = [0.0]
 
@@ -228,6 +269,8 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timel
         "steps": forward.steps, "preemptions": timeline.preemptions, "refused": timeline.refused,
         "ttft_p50_ms": percentile_ms(timeline.ttft, 0.5), "ttft_p99_ms": percentile_ms(timeline.ttft, 0.99),
         "itl_p50_ms": percentile_ms(timeline.gaps, 0.5), "itl_p99_ms": percentile_ms(timeline.gaps, 0.99),
+        "speculative_steps": timeline.speculative_steps, "draft_tokens": timeline.drafted,
+        "draft_accepted_share": round(timeline.accepted / max(1, timeline.drafted), 3),
         **({"tenants": tenants} if tenants else {}),
         "simulated_in_s": round(ran[0], 3),
     }
@@ -236,11 +279,17 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timel
 def main(args: argparse.Namespace) -> int:
     model = meta_model(args.model)
     profile = load_profile(args.profile, args.model)
+    if args.acceptance is not None:
+        if not (0 <= args.acceptance <= 1 and len(profile.coefficients) > SPECULATIVE):
+            raise ValueError("--acceptance must be within [0, 1], with a profile calibrated with speculation")
+        profile = msgspec.structs.replace(profile, acceptance=args.acceptance)
     vocab = model.config.get_text_config().vocab_size
     if args.trace:
         from jitney.bench.traces import materialize, read_trace
 
         work = materialize(read_trace(args.trace), vocab)
+    elif "chat" in args.workload:
+        work = [Arrival(p, n) for p, n in WORKLOADS[args.workload](tokenizer(args.model))]
     else:
         work = [Arrival(p, n) for p, n in (WORKLOADS[args.workload](vocab) if args.workload != "long-prompt"
                                            else WORKLOADS[args.workload](vocab, args.max_batch_tokens))]
@@ -257,7 +306,7 @@ def main(args: argparse.Namespace) -> int:
             picture = str(Path(picture).with_name(f"{Path(picture).stem}-{scheduler}-{eviction}{Path(picture).suffix}"))
         row = simulate(model, work, profile, timeline_path=picture, scheduler=scheduler, eviction=eviction,
                        num_blocks=num_blocks, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
-                       max_requests_per_batch=max(64, len(work)))
+                       max_requests_per_batch=max(64, len(work)), speculative_tokens=args.speculative_tokens)
         row["with_startup_s"] = round(time.perf_counter() - t, 2)
         rows.append(row)
         print(f"  {row['mode']}: {row['wall_s']} s simulated, hit rate {row['prefix_hit_rate']:.0%}, "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import anyio
+import msgspec
 import pytest
 from support import tiny_llama
 
@@ -256,6 +257,53 @@ def test_an_analytic_profile_follows_the_hardware_figures(tiny_config):
     work = [Arrival([5, 6, 7, 8], 16) for _ in range(8)]
     rows = [simulate(model, work, p, block_size=4, num_blocks=64) for p in (slow, analytic(model, 2.0, 200.0))]
     assert rows[1]["wall_s"] == pytest.approx(rows[0]["wall_s"] / 2, rel=0.02)  # twice the hardware, half the time
+
+
+SPECULATING = StepProfile(model="tiny", machine="test", coefficients=[*SHAPED.coefficients, 5e-3, 1e-4, 1e-4],
+                          fit_error=0, total_error=0, steps=0, acceptance=0.7)
+
+
+def test_speculative_steps_are_simulated_where_the_profile_was_calibrated_with_them(tiny_config):
+    model = meta_model(str(tiny_config))
+    work = [Arrival([5, 6, 7, 8], 40), Arrival([9, 10], 40)]
+    assert simulate(model, work, SHAPED, block_size=4, num_blocks=64)["speculative_steps"] == 0  # (not calibrated)
+    seen = {p: Timeline() for p in (0.0, 0.7, 1.0)}
+    rows = {p: simulate(model, work, msgspec.structs.replace(SPECULATING, acceptance=p), plugins=[seen[p]],
+                        block_size=4, num_blocks=64) for p in seen}
+    assert all(r["speculative_steps"] > 0 for r in rows.values())
+    assert rows[0.0]["draft_accepted_share"] == 0 and rows[1.0]["draft_accepted_share"] == 1
+    assert 0 < rows[0.7]["draft_accepted_share"] < 1
+    assert rows[1.0]["steps"] < rows[0.7]["steps"] < rows[0.0]["steps"]  # accepted proposals save steps
+    assert {t.generated for t in seen.values()} == {80}  # every token, however many steps
+    assert simulate(model, work, SPECULATING, block_size=4, num_blocks=64, speculative_tokens=0)["speculative_steps"] == 0
+    # a speculative step costs its draft's passes on top of the checking pass
+    draft_only = msgspec.structs.replace(SPECULATING, coefficients=[0.0] * 6 + [1.0, 0.0, 0.0], acceptance=0.0)
+    row = simulate(model, work, draft_only, block_size=4, num_blocks=64)
+    assert row["wall_s"] == pytest.approx(row["draft_tokens"] / 2)  # k passes a step, k drafts for each of 2 rows
+
+
+def test_calibration_sees_the_speculative_steps_and_drafts_a_real_engine_takes():
+    from jitney.bench.profile import SPECULATIVE, StepRecorder
+    from jitney.bench.stats import StepStats
+
+    stats = StepStats()
+    engine = Engine(tiny_llama(), config=EngineConfig(block_size=4, num_blocks=64), plugins=[stats])
+    recorder = StepRecorder(engine.executor)
+    serve_all(engine, [Arrival([5, 6, 7, 8], 30), Arrival([9, 10], 30)])
+    assert stats.speculative_steps > 0  # (the tiny Llama decodes on the CPU's one-call decoder)
+    assert sum(shape[SPECULATIVE] > 0 for shape in recorder.shapes) == stats.speculative_steps
+    assert recorder.accepted == stats.accepted > 0
+    assert recorder.accepted + recorder.rejected <= stats.drafted  # (proposals after a rejected one: unchecked)
+
+
+def test_host_overhead_is_measured_for_analytic_profiles(tiny_config):
+    from jitney.bench.profile import analytic, host_overhead
+
+    model = meta_model(str(tiny_config))
+    step_s, row_s = host_overhead(model)
+    assert 0 < step_s < 0.05 and 0 <= row_s < 0.001
+    with_host = analytic(model, 1.0, 100.0, step_overhead_s=step_s, row_overhead_s=row_s)
+    assert with_host.coefficients[0] == pytest.approx(analytic(model, 1.0, 100.0).coefficients[0] + step_s)
 
 
 def test_a_trace_recorded_without_token_ids_keeps_the_prefix_sharing_and_no_text(tmp_path, tiny_config):
