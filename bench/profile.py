@@ -103,6 +103,20 @@ def fit(shapes: list[list[float]], seconds: list[float], sweeps: int = 2000) -> 
     return [float(c) for c in b / norms]
 
 
+def fit_in_two(shapes: list[list[float]], seconds: list[float]) -> list[float]:
+    """`fit` the plain steps' features on the plain steps alone, then the draft's features on what the
+    speculative steps took beyond their checking pass as those predict it: the few speculative steps then
+    cannot pull the coefficients every other step depends on (fitted together, shared-prefix's wall time
+    went from -3% to +11% and mixed-64's ITL from -8% to -15% against the real runs)."""
+    plain = [i for i, s in enumerate(shapes) if not any(s[SPECULATIVE:])]
+    base = fit([shapes[i][:SPECULATIVE] for i in plain], [seconds[i] for i in plain])
+    drafting = [i for i in range(len(shapes)) if i not in set(plain)]
+    if not drafting:
+        return [*base, *[0.0] * (len(FEATURES) - SPECULATIVE)]
+    beyond = [seconds[i] - float(np.dot(base, shapes[i][:SPECULATIVE])) for i in drafting]
+    return [*base, *fit([shapes[i][SPECULATIVE:] for i in drafting], beyond)]
+
+
 def machine_tag() -> str:
     """The CPU model and core count (a profile is only valid on the machine kind it was fitted on)."""
     try:
@@ -199,7 +213,7 @@ def calibrate(model, tokenizer, model_name: str, **config_fields) -> StepProfile
         shapes += recorder.shapes[1:]  # (the first step of each engine pays for warming up)
         seconds += recorder.seconds[1:]
         accepted, rejected = accepted + recorder.accepted, rejected + recorder.rejected
-    coefficients = fit(shapes, seconds)
+    coefficients = fit_in_two(shapes, seconds)
     # Each proposal accepted with one chance p, independently: p's maximum-likelihood estimate over the rows
     # seen is accepted / (accepted + rejections), a row's run ending at its first rejection or at k.
     predicted = [max(0.0, float(np.dot(coefficients, s))) for s in shapes]

@@ -186,17 +186,13 @@ def meta_model(source: str):
 
 def tokenizer(source: str):
     """The tokenizer of "smollm2" or a checkpoint folder (what the chat workloads' prompts are made with)."""
-    from transformers import AutoTokenizer
+    from jitney.core.models import load_tokenizer
 
-    if source == "smollm2":
-        from jitney.core.models import embedded_checkpoint
-
-        source = str(embedded_checkpoint())
     path = Path(source)
-    try:
-        return AutoTokenizer.from_pretrained(path.parent if path.is_file() else path)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"the chat workloads need the model's tokenizer, and {source!r} has none: {exc}") from None
+    found = load_tokenizer(path.parent if path.is_file() else source)
+    if found is None:
+        raise ValueError(f"the chat workloads need the model's tokenizer, and {source!r} has none")
+    return found
 
 
 async def _drive(engine, clock: VirtualClock, work: list[Arrival], timeline: Timeline) -> float:

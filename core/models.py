@@ -47,17 +47,26 @@ def embedded_checkpoint() -> Path:
     return target
 
 
+def checkpoint_path(model: str | os.PathLike) -> Path:
+    """The directory of a checkpoint directory or of the name "smollm2"."""
+    path = embedded_checkpoint() if str(model) == EMBEDDED else Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no model at {str(model)!r}: give a local checkpoint directory or {EMBEDDED!r}")
+    return path
+
+
+def load_tokenizer(model: str | os.PathLike):
+    """The tokenizer of a checkpoint directory or "smollm2"; None for a checkpoint without one (it still serves
+    token-id prompts)."""
+    try:
+        return AutoTokenizer.from_pretrained(checkpoint_path(model))
+    except (OSError, ValueError):
+        return None
+
+
 def load_model(model: str | os.PathLike | PreTrainedModel, tokenizer=None):
     """Return (model, tokenizer) for a checkpoint directory, the name "smollm2", or a built model."""
     if isinstance(model, PreTrainedModel):
         return model.eval(), tokenizer
-    path = embedded_checkpoint() if str(model) == EMBEDDED else Path(model)
-    if not path.is_dir():
-        raise FileNotFoundError(f"no model at {str(model)!r}: give a local checkpoint directory or {EMBEDDED!r}")
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if tokenizer is None:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError):  # a checkpoint without a tokenizer still serves token-id prompts
-            tokenizer = None
-    return loaded.eval(), tokenizer
+    loaded = AutoModelForCausalLM.from_pretrained(checkpoint_path(model), dtype=torch.float32)
+    return loaded.eval(), tokenizer if tokenizer is not None else load_tokenizer(model)
