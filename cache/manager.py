@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,16 @@ def blocks_view(store: torch.Tensor, block_size: int) -> torch.Tensor:
     """A layer's key or value storage as [kv_heads, blocks, block_size * head_dim] (a view, no copy)."""
     kvh, dim = store.shape[1], store.shape[2]
     return store.transpose(0, 1).view(kvh, -1, block_size * dim)
+
+
+def block_hashes(tokens: list[int], block_size: int) -> Iterator[int]:
+    """The chained hash of each full block of `tokens`: a block's hash covers every token before it, so equal
+    hashes mean equal prefixes. (Hashes of ints and tuples do not depend on the process: a router elsewhere
+    computes the same ones.)"""
+    prev = 0
+    for i in range(len(tokens) // block_size):
+        prev = hash((prev, tuple(tokens[i * block_size : (i + 1) * block_size])))
+        yield prev
 
 
 def on_huge_pages(device: torch.device) -> bool:
@@ -236,13 +247,12 @@ class CacheManager:
         if not self.prefix_caching or seq.request_id in self._tables:
             return 0
         pool, bs = self.pools[0], self.block_size
-        hashes, blocks, prev = [], [], 0
-        for i in range((seq.num_tokens - 1) // bs):
-            prev = hash((prev, tuple(seq.tokens(i * bs, (i + 1) * bs))))
-            block = pool.lookup(prev)
+        hashes, blocks = [], []
+        for h in block_hashes(seq.tokens(0, seq.num_tokens - 1), bs):
+            block = pool.lookup(h)
             if block is None:
                 break
-            hashes.append(prev)
+            hashes.append(h)
             blocks.append(block)
         for block in blocks:
             pool.take(block)

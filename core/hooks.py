@@ -55,6 +55,14 @@ class Hookspecs:
         """
 
     @hookspec
+    def jitney_register_routers(self, register: Callable[[str, Callable[..., Any]], None]) -> None:
+        """Register router factories, called once when a fleet of replicas starts (`jitney serve --replicas`).
+
+        Call ``register(name, factory)``; ``factory(config)`` (a `jitney.routers.RouterConfig`) returns an object
+        following `jitney.routers.Router`. ``--router`` selects one by name.
+        """
+
+    @hookspec
     def jitney_engine_started(self, engine: Any) -> None:
         """The engine's step loop has started."""
 
@@ -87,6 +95,7 @@ ROLES = {
     "eviction policy": "jitney_register_eviction_policies",
     "offload backend": "jitney_register_offload_backends",
     "attention backend": "jitney_register_attention_backends",
+    "router": "jitney_register_routers",
 }
 """Each plugin role and the registration hook that fills it."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -93,7 +94,7 @@ class _Server:
                 ids = await self._tokenize(self._encode, body.prompt)
             else:
                 ids = body.prompt
-            stream = self._submit(ids, params, body)
+            stream = await self._submit(ids, params, body)
         return await self._respond(request, body, stream, chat=False)
 
     async def chat(self, request: HttpRequest) -> Response:
@@ -105,7 +106,7 @@ class _Server:
             limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             room = min(1024, self.max_tokens or 1024, self.engine.max_context - len(ids))
             params = sampling(body, limit, max(1, room))
-            stream = self._submit(ids, params, body)
+            stream = await self._submit(ids, params, body)
         return await self._respond(request, body, stream, chat=True)
 
     async def _admit(self, request: HttpRequest, kind: type):
@@ -151,18 +152,21 @@ class _Server:
         except Exception as exc:  # the template's own message (e.g. roles out of order)
             raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
 
-    def _submit(self, ids: list[int], params, body) -> TokenStream:
+    async def _submit(self, ids: list[int], params, body) -> TokenStream:
         self._check_running()  # (again: tokenizing took a while)
         metadata = {**(body.metadata or {}), **({"user": body.user} if body.user is not None else {})} or None
         try:
-            return self.engine.stream(Request(ids, params, request_id=f"cmpl-{uuid.uuid4().hex[:20]}",
-                                              metadata=metadata))
+            stream = self.engine.stream(Request(ids, params, request_id=f"cmpl-{uuid.uuid4().hex[:20]}",
+                                                metadata=metadata))
+            # (a fleet's gateway places the request on a replica first: `serve/cluster.RemoteEngine`)
+            return await stream if inspect.isawaitable(stream) else stream
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
 
     async def _respond(self, request: HttpRequest, body, stream: TokenStream, chat: bool) -> Response:
+        headers = getattr(stream, "headers", None)  # (a fleet's stream names the replica serving it)
         if body.stream:
-            return StreamingResponse(self._events(body, stream, chat), media_type="text/event-stream")
+            return StreamingResponse(self._events(body, stream, chat), media_type="text/event-stream", headers=headers)
         present, done = await unless_disconnected(request, lambda: _finish(stream))
         if not present:  # the client left and its request was aborted: nobody reads this
             return Response(status_code=499)
@@ -173,9 +177,10 @@ class _Server:
         if chat:
             return json_response(p.ChatCompletion(object="chat.completion", **common, choices=[
                 p.ChatChoice(index=s.index, message=p.AssistantMessage(role="assistant", content=s.text),
-                             finish_reason=s.finish_reason) for s in done.samples]))
+                             finish_reason=s.finish_reason) for s in done.samples]), headers=headers)
         return json_response(p.Completion(object="text_completion", **common, choices=[
-            p.CompletionChoice(index=s.index, text=s.text, finish_reason=s.finish_reason) for s in done.samples]))
+            p.CompletionChoice(index=s.index, text=s.text, finish_reason=s.finish_reason) for s in done.samples]),
+            headers=headers)
 
     async def _events(self, body, stream: TokenStream, chat: bool) -> AsyncIterator[bytes]:
         """Server-sent events: the chunks, then an error event if the request failed, then ``[DONE]``."""
@@ -235,7 +240,10 @@ class _Server:
         return json_response(p.Health(status="ok"))
 
     async def prometheus(self, request: HttpRequest) -> Response:
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+        text = self.metrics.render()
+        if inspect.isawaitable(text):  # (a fleet's gateway gathers every replica's)
+            text = await text
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     async def openapi_document(self, request: HttpRequest) -> Response:
         return Response(self.schema, media_type="application/json")

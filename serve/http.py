@@ -16,9 +16,9 @@ from jitney.serve.protocol import ApiError
 T = TypeVar("T")
 
 
-def json_response(body: msgspec.Struct, status: int = 200) -> Response:
+def json_response(body: msgspec.Struct, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """`body` encoded by its struct (the schema /openapi.json publishes for it)."""
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
 
 
 async def read_body(request: HttpRequest, limit: int) -> bytes:
