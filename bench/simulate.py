@@ -7,6 +7,7 @@ device, and so is the KV cache)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -37,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, help="a JSONL trace to replay instead (see `jitney trace`)")
     parser.add_argument("--scheduler", default="fifo", help="comma-separated schedulers: one run per (scheduler, eviction)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies")
-    parser.add_argument("--num-blocks", type=int, default=None, help="cache size (default: the whole workload fits)")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="cache size, of each replica (default: the whole workload fits)")
     parser.add_argument("--cache-share", type=float, default=None, help="cache size as a share of what the workload needs")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-batch-tokens", type=int, default=256)
@@ -48,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="chance that a draft proposal is accepted (default: the profile's, measured on chat text)")
     parser.add_argument("--profile", default=None, help="a profile file (default: this machine's, from `jitney calibrate`)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the rows to this file")
+    parser.add_argument("--replicas", type=int, default=1, help="a fleet of engines, as `jitney serve --replicas`")
+    parser.add_argument("--router", default="prefix_affinity",
+                        help="comma-separated routers placing requests on the replicas (one run each)")
     parser.add_argument("--timeline", default=None, metavar="FILE.png",
                         help="draw each run's schedule (one file per (scheduler, eviction) pair when several)")
 
@@ -113,10 +118,12 @@ class SimulatedDecoder:
 class InlineForward:
     """Stands in for the engine's `ForwardThread` once entered: a simulated step costs microseconds, so it runs
     on the event loop's thread, not behind a thread hop (~0.2 ms a step); `wait` still yields once, so that
-    arrivals are submitted between steps. The engine's own thread is shut down with it."""
+    arrivals are submitted between steps. In a fleet, an engine whose clock has passed the `horizon` (the next
+    arrival) waits there for the others. The engine's own thread is shut down with it."""
 
-    def __init__(self, thread):
+    def __init__(self, thread, clock: VirtualClock | None = None, horizon: list[float] | None = None):
         self.thread, self.executor, self.pool = thread, thread.executor, self
+        self.clock, self.horizon = clock, horizon
 
     def submit(self, prepared_or_fn, *args) -> Future:
         """A step run now (or, as the forward thread's pool, any function)."""
@@ -133,6 +140,8 @@ class InlineForward:
 
     async def wait(self, done: Future):
         await anyio.lowlevel.checkpoint()
+        while self.horizon is not None and self.clock.now > self.horizon[0]:
+            await anyio.sleep(0)
         return done.result()
 
     def shutdown(self) -> None:
@@ -143,9 +152,10 @@ class Timeline(StepStats):
     """What a simulated run's requests saw, from their events (virtual times): `StepStats`' sums, the gaps
     between each request's tokens, and time to first token per tenant."""
 
-    def __init__(self) -> None:
+    def __init__(self, replicas: int = 1) -> None:
         super().__init__(slots=False)
         self.refused = 0
+        self.placed = [0] * replicas  # requests each engine of a fleet was given
         self.generated = 0
         self.tenant_of: dict[str, str] = {}  # request id -> metadata["tenant"], where given
         self.ttft_by_tenant: dict[str, list[float]] = {}
@@ -165,6 +175,14 @@ class Timeline(StepStats):
                 self.ttft_by_tenant.setdefault(self.tenant_of[e.request_id], []).append(e.ttft)
             elif isinstance(e, ev.RequestFinished):
                 self._last.pop(e.request_id, None)
+
+
+def _twin(model):
+    """Another meta model of `model`'s architecture (an engine serves one model object)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model.config).eval()
 
 
 def meta_model(source: str):
@@ -195,22 +213,36 @@ def tokenizer(source: str):
     return found
 
 
-async def _drive(engine, clock: VirtualClock, work: list[Arrival], timeline: Timeline) -> float:
-    """Submit each request when the virtual clock reaches its arrival (jumping there when the engine is idle);
-    returns the simulated wall time from the trace's time zero to the last token."""
-    from jitney import Request, SamplingParams
-
+async def _drive(engines: list, clocks: list[VirtualClock], work: list[Arrival], timeline: Timeline,
+                 router=None, horizon: list[float] | None = None) -> float:
+    """Submit each request when the virtual clocks reach its arrival (an idle engine's clock jumps there), to
+    the engine `router` chooses (`jitney.routers`) when there are several; returns the simulated wall time from
+    the trace's time zero to the last token."""
     from tqdm import tqdm
 
+    from jitney import Request, SamplingParams
+    from jitney.routers import ReplicaLoad, RoutedRequest
+
+    def busy(engine) -> bool:
+        return bool(engine.waiting or engine.active or engine.preempter.offloaded)
+
     order = sorted(range(len(work)), key=lambda i: work[i].arrival_s)
-    start = clock.now = 0.0  # (the trace's time zero, as a real replay counts it)
+    for clock in clocks:
+        clock.now = 0.0  # (the trace's time zero, as a real replay counts it)
+    horizon = horizon if horizon is not None else [0.0]
     for i in tqdm(order, desc="simulating", unit="req", disable=len(order) < 2000, leave=False):
         item = work[i]
-        while clock.now < item.arrival_s:
-            if not (engine.waiting or engine.active or engine.preempter.offloaded):
-                clock.now = item.arrival_s  # nothing runs until then
-            else:
-                await anyio.sleep(0)  # a step goes on
+        horizon[0] = item.arrival_s
+        while any(busy(e) and c.now < item.arrival_s for e, c in zip(engines, clocks)):
+            await anyio.sleep(0)  # steps go on
+        for engine, clock in zip(engines, clocks):
+            if not busy(engine):
+                clock.now = max(clock.now, item.arrival_s)  # nothing runs until then
+        engine = engines[0]
+        if router is not None:
+            loads = [ReplicaLoad(str(k), len(e.active), len(e.waiting), len(e.requests)) for k, e in enumerate(engines)]
+            routed = RoutedRequest.of(f"r{i}", item.prompt, engine.cache.block_size, item.metadata)
+            engine = engines[int(router.choose(routed, loads))]
         params = SamplingParams(max_new_tokens=item.output_tokens, ignore_eos=True)
         try:  # (submitted without a stream: nobody reads the tokens, the engine runs on regardless)
             first = engine.submit(Request(item.prompt, params, priority=item.priority, metadata=item.metadata)).samples[0]
@@ -218,37 +250,56 @@ async def _drive(engine, clock: VirtualClock, work: list[Arrival], timeline: Tim
             timeline.refused += 1
             continue
         first.t_queued = item.arrival_s  # (it arrived then, whatever step was running)
+        timeline.placed[engines.index(engine)] += 1
         if item.metadata and "tenant" in item.metadata:
             timeline.tenant_of[first.request_id] = str(item.metadata["tenant"])
-    while engine.requests:
+    horizon[0] = math.inf
+    while any(e.requests for e in engines):
         await anyio.sleep(0)
-    return clock.now - start
+    return max(clock.now for clock in clocks)
 
 
 def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timeline_path: str | None = None,
-             **config_fields) -> dict:
-    """One simulated run of `work`: a `jitney bench`-style row (and its schedule drawn to `timeline_path`)."""
+             replicas: int = 1, router: str | None = None, **config_fields) -> dict:
+    """One simulated run of `work`: a `jitney bench`-style row (and its schedule drawn to `timeline_path`).
+    With `replicas` > 1, a fleet of engines (each on its own clock, as replicas run side by side) behind the
+    registered router `router`, as `jitney serve --replicas` places requests."""
     from jitney import Engine, EngineConfig
+    from jitney.core.hooks import make_plugin_manager, registry
     from jitney.plugins.timeline import ScheduleTimeline
+    from jitney.routers import RouterConfig
 
-    clock = VirtualClock()
-    timeline = Timeline()
+    if timeline_path and replicas > 1:
+        raise ValueError("--timeline draws one engine's schedule: simulate a fleet without it")
+    timeline = Timeline(replicas)
     if timeline_path:
         plugins = [*plugins, schedule := ScheduleTimeline()]
     config = EngineConfig(**{"check_model": False, **config_fields})
-    engine = Engine(model, None, config, plugins=[timeline, *plugins], clock=clock)
-    forward = engine.executor.forward = SimulatedForward(engine.executor, profile, clock)
-    engine.executor.device = torch.device("cpu")  # the steps' inputs are read by the cost model, not on meta
-    if profile.speculates:
-        engine.executor.decoder = SimulatedDecoder()
+    router = router or "prefix_affinity"
+    placing = None
+    if replicas > 1:
+        placing = registry(make_plugin_manager(), "router").create(router, RouterConfig(block_size=config.block_size))
+    clocks = [VirtualClock() for _ in range(replicas)]
+    engines, forwards = [], []
+    for k, clock in enumerate(clocks):  # (one model object per engine: the meta model is built again)
+        engine = Engine(model if k == 0 else _twin(model), None, config, plugins=[timeline, *plugins], clock=clock)
+        forwards.append(SimulatedForward(engine.executor, profile, clock, seed=k))
+        engine.executor.forward = forwards[-1]
+        engine.executor.device = torch.device("cpu")  # the steps' inputs are read by the cost model, not on meta
+        if profile.speculates:
+            engine.executor.decoder = SimulatedDecoder()
+        engines.append(engine)
 
     ran = [0.0]
+    horizon = [0.0] if replicas > 1 else None
 
     async def main() -> float:
-        async with engine:
-            engine._forward = InlineForward(engine._forward)
+        async with contextlib.AsyncExitStack() as stack:
+            for engine, clock in zip(engines, clocks):
+                await stack.enter_async_context(engine)
+                engine._forward = InlineForward(engine._forward, clock, horizon)
             t = time.perf_counter()
-            wall = await _drive(engine, clock, work, timeline)
+            wall = await _drive(engines, clocks, work, timeline, placing, horizon)
             ran[0] = time.perf_counter() - t  # (like a real run's wall time: from the first request, start-up aside)
             return wall
 
@@ -258,11 +309,13 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timel
     out_tokens = timeline.generated
     tenants = {name: {"requests": len(v), "ttft_p50_ms": percentile_ms(v, 0.5), "ttft_p99_ms": percentile_ms(v, 0.99)}
                for name, v in sorted(timeline.ttft_by_tenant.items())}
+    fleet = {"replicas": replicas, "router": router, "requests_per_replica": timeline.placed} if replicas > 1 else {}
+    name = f"{config.scheduler}/{config.eviction}" + (f" x{replicas} {fleet['router']}" if fleet else "")
     return {
-        "mode": f"sim[{config.scheduler}/{config.eviction}]", "scheduler": config.scheduler, "eviction": config.eviction,
+        "mode": f"sim[{name}]", "scheduler": config.scheduler, "eviction": config.eviction, **fleet,
         "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1) if wall > 0 else math.inf,
         "prefix_hit_rate": round(timeline.hit / max(1, timeline.query), 3), "prompt_tokens_computed": timeline.prefill,
-        "steps": forward.steps, "preemptions": timeline.preemptions, "refused": timeline.refused,
+        "steps": sum(f.steps for f in forwards), "preemptions": timeline.preemptions, "refused": timeline.refused,
         "ttft_p50_ms": percentile_ms(timeline.ttft, 0.5), "ttft_p99_ms": percentile_ms(timeline.ttft, 0.99),
         "itl_p50_ms": percentile_ms(timeline.gaps, 0.5), "itl_p99_ms": percentile_ms(timeline.gaps, 0.99),
         "speculative_steps": timeline.speculative_steps, "draft_tokens": timeline.drafted,
@@ -294,22 +347,26 @@ def main(args: argparse.Namespace) -> int:
     name = args.trace or args.workload
     print(f"{name}: {len(work)} requests; cache {num_blocks} blocks; profile {profile.describe()}")
     rows = []
-    pairs = [(s, e) for s in args.scheduler.split(",") for e in args.eviction.split(",")]
-    for scheduler, eviction in pairs:
+    routers = args.router.split(",") if args.replicas > 1 else [None]
+    runs = [(s, e, r) for s in args.scheduler.split(",") for e in args.eviction.split(",") for r in routers]
+    for scheduler, eviction, router in runs:
         t = time.perf_counter()
         picture = args.timeline
-        if picture and len(pairs) > 1:
+        if picture and len(runs) > 1:
             picture = str(Path(picture).with_name(f"{Path(picture).stem}-{scheduler}-{eviction}{Path(picture).suffix}"))
-        row = simulate(model, work, profile, timeline_path=picture, scheduler=scheduler, eviction=eviction,
-                       num_blocks=num_blocks, block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
-                       max_requests_per_batch=max(64, len(work)), speculative_tokens=args.speculative_tokens)
+        row = simulate(model, work, profile, timeline_path=picture, replicas=args.replicas, router=router,
+                       scheduler=scheduler, eviction=eviction, num_blocks=num_blocks, block_size=args.block_size,
+                       max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=max(64, len(work)),
+                       speculative_tokens=args.speculative_tokens)
         row["with_startup_s"] = round(time.perf_counter() - t, 2)
         rows.append(row)
         print(f"  {row['mode']}: {row['wall_s']} s simulated, hit rate {row['prefix_hit_rate']:.0%}, "
               f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms ({row['simulated_in_s']} s to run, "
               f"{row['with_startup_s']} s with start-up)")
-        for name, t in row.get("tenants", {}).items():
-            print(f"      tenant {name}: {t['requests']} requests, TTFT p50 {t['ttft_p50_ms']} ms, p99 {t['ttft_p99_ms']} ms")
+        if "requests_per_replica" in row:
+            print(f"      requests per replica: {row['requests_per_replica']}")
+        for tenant, t in row.get("tenants", {}).items():
+            print(f"      tenant {tenant}: {t['requests']} requests, TTFT p50 {t['ttft_p50_ms']} ms, p99 {t['ttft_p99_ms']} ms")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"workload": name, "rows": rows}, indent=2))
     return 0

@@ -98,31 +98,36 @@ class LeastLoaded:
 
 
 class PrefixAffinity:
-    """The replica that most likely holds the request's prefix in its cache: the one that was sent the longest
-    run of its leading blocks, bounded by load (past (1 + ε) x the average load it goes to the least loaded).
-    A request with no known prefix goes to the least loaded; every request then marks its blocks as held by
-    the replica it went to, so the next request sharing them follows it."""
+    """The replica that most likely holds the request's prefix in its cache: of those that were sent the
+    longest run of its leading blocks, the least loaded, unless even it is past (1 + ε) x the average load;
+    then, or with no known prefix, the least loaded replica. Every request marks its blocks as held by the
+    replica it went to (a prefix moved for load is then held by both, and the next request sharing it takes
+    the less loaded of the two)."""
+
+    HOLDERS = 4
+    """Replicas remembered per block, most recent first."""
 
     def __init__(self, config: RouterConfig | None = None):
         self.config = config or RouterConfig()
-        self.holder: OrderedDict[int, str] = OrderedDict()  # block hash -> the replica last sent it
+        self.holders: OrderedDict[int, tuple[str, ...]] = OrderedDict()  # block hash -> replicas sent it
         self.least = LeastLoaded()
 
     def choose(self, request: RoutedRequest, replicas: list[ReplicaLoad]) -> str:
         chosen = self.least.choose(request, replicas)
         by_id = {r.replica_id: r for r in replicas}
         for h in reversed(request.prefix_hashes):  # (chained: the longest match is the last known one)
-            holder = self.holder.get(h)
-            if holder in by_id:
-                average = sum(r.load for r in replicas) / len(replicas)
-                if by_id[holder].load <= (1 + self.config.imbalance) * average + 1:
-                    chosen = holder
+            held = [by_id[k] for k in self.holders.get(h, ()) if k in by_id]
+            if held:
+                best = min(held, key=lambda r: (r.load, r.replica_id))
+                if best.load <= (1 + self.config.imbalance) * sum(r.load for r in replicas) / len(replicas) + 1:
+                    chosen = best.replica_id
                 break
         for h in request.prefix_hashes:
-            self.holder[h] = chosen
-            self.holder.move_to_end(h)
-        while len(self.holder) > self.config.remembered_blocks:
-            self.holder.popitem(last=False)
+            others = tuple(k for k in self.holders.get(h, ()) if k != chosen)
+            self.holders[h] = (chosen, *others)[: self.HOLDERS]
+            self.holders.move_to_end(h)
+        while len(self.holders) > self.config.remembered_blocks:
+            self.holders.popitem(last=False)
         return chosen
 
 

@@ -56,12 +56,6 @@ class Placed:
 # -- routing, inside Ray Serve ------------------------------------------------------------------------------
 
 
-def _request_router_base():
-    from ray.serve.request_router import FIFOMixin, RequestRouter
-
-    return FIFOMixin, RequestRouter
-
-
 class _RouterMethods:
     """`JitneyRequestRouter`'s methods (the class itself is built on Ray's bases only when Ray is imported):
     the named `jitney.routers` plugin places each `Job`; other calls (metrics) go to any replica."""
@@ -72,30 +66,42 @@ class _RouterMethods:
         self.policy = registry(make_plugin_manager(), "router").create(
             router, RouterConfig(block_size=block_size, imbalance=imbalance))
         self.outstanding: Counter[str] = Counter()
+        self.decided: dict[str, str] = {}  # internal request id -> the replica chosen for it, until it is sent
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
+        """The plugin's replica alone. Ray asks again while that replica does not answer its queue-length probe
+        in time (a busy engine): the decision is kept, not taken again, so the request waits for its replica
+        rather than going elsewhere (a second rank of "any other" sent a third of the requests astray)."""
         job = pending_request.args[0] if pending_request is not None and pending_request.args else None
         # (read by its shape: Ray may run this method from a by-value copy of the module, whose `Job` is
         # another class than the gateway's)
         routed = getattr(job, "routed", None)
         if not candidate_replicas or routed is None:
             return [candidate_replicas] if candidate_replicas else []
-        loads = []
-        for r in candidate_replicas:
-            stats, rid = r.routing_stats or {}, r.replica_id.unique_id
-            loads.append(ReplicaLoad(rid, stats.get("running", 0), stats.get("waiting", 0), self.outstanding[rid]))
-        try:
-            chosen = self.policy.choose(routed, loads)
-        except Exception:  # a router plugin's fault must not stop requests from being served
-            log.exception("router %s failed; placing the request on any replica", type(self.policy).__name__)
-            return [candidate_replicas]
-        first = [r for r in candidate_replicas if r.replica_id.unique_id == chosen]
-        return [first, [r for r in candidate_replicas if r.replica_id.unique_id != chosen]] if first else [candidate_replicas]
+        key = pending_request.metadata.internal_request_id
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        chosen = self.decided.get(key)
+        if chosen not in by_id:  # (a first decision, or its replica has gone)
+            loads = [ReplicaLoad(rid, (r.routing_stats or {}).get("running", 0),
+                                 (r.routing_stats or {}).get("waiting", 0), self.outstanding[rid])
+                     for rid, r in by_id.items()]
+            try:
+                chosen = self.policy.choose(routed, loads)
+            except Exception:  # a router plugin's fault must not stop requests from being served
+                log.exception("router %s failed; placing the request on any replica", type(self.policy).__name__)
+                return [candidate_replicas]
+            if chosen not in by_id:
+                log.error("router %s chose %r, not a replica", type(self.policy).__name__, chosen)
+                return [candidate_replicas]
+            self.decided[key] = chosen
+        return [[by_id[chosen]]]
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
+        self.decided.pop(pending_request.metadata.internal_request_id, None)
         self.outstanding[replica_id.unique_id] += 1
 
     def on_request_completed(self, replica_id, internal_request_id) -> None:
+        self.decided.pop(internal_request_id, None)
         rid = replica_id.unique_id
         self.outstanding[rid] = max(0, self.outstanding[rid] - 1)
 
@@ -105,9 +111,12 @@ class _RouterMethods:
 
 
 def request_router_class():
-    """Ray Serve's `RequestRouter` with jitney's routing plugged in (imported by Ray by its path)."""
-    fifo, base = _request_router_base()
-    return type("JitneyRequestRouter", (_RouterMethods, fifo, base), {"__module__": __name__})
+    """Ray Serve's `RequestRouter` with jitney's routing plugged in (imported by Ray by its path). Not with
+    Ray's `FIFOMixin`: that hands the replica found for one request to the oldest one waiting, and a placement
+    by prefix is only right for the request it was chosen for."""
+    from ray.serve.request_router import RequestRouter
+
+    return type("JitneyRequestRouter", (_RouterMethods, RequestRouter), {"__module__": __name__})
 
 
 def __getattr__(name: str):
@@ -188,8 +197,9 @@ class RemoteStream:
     """A request served by a replica, as `serve/app.py` reads a `TokenStream`: an async iterator of `Token`s
     and an async context manager, with `completion()` at the end, and `headers` naming the replica."""
 
-    def __init__(self, handle, job: Job):
+    def __init__(self, handle, job: Job, streams: Counter | None = None):
         self.handle, self.job = handle, job
+        self.streams = streams if streams is not None else Counter()  # the gateway's count of open streams
         self.request_id = job.routed.request_id
         self.headers: dict[str, str] = {}
         self._gen = None
@@ -215,6 +225,7 @@ class RemoteStream:
                 raise _api_error(exc) from None
             self.headers = {REPLICA_HEADER: placed.replica_id}
             self._next = placed.token
+            self.streams["open"] += 1
             return self
         raise ApiError(503, "no replica could serve the request; retry later", kind="service_unavailable")
 
@@ -257,8 +268,11 @@ class RemoteStream:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        if self._completion is None and self._gen is not None:
-            self._gen.cancel()  # (the replica's generator is cancelled: its engine aborts the request)
+        if self._gen is not None:
+            self.streams["open"] -= 1
+            if self._completion is None:
+                self._gen.cancel()  # (the replica's generator is cancelled: its engine aborts the request)
+            self._gen = None
 
     def completion(self) -> Completion:
         if self._completion is None:
@@ -290,14 +304,23 @@ class RemoteEngine:
         self.vocab_size = mc.vocab_size
         self.max_context = getattr(mc, "max_position_embeddings", None) or float("inf")
         self.waiting: list = []
-        self.healthy = True
+        self.healthy = True  # False once draining: new requests and /health get 503
+        self.streams: Counter = Counter()  # "open": requests placed and not yet answered in full
 
     async def stream(self, request: Request) -> RemoteStream:
         """`request` (its prompt as token ids, as the server gives it) placed on a replica; the replica's engine
         checks it as a local engine would (a ValueError from there answers 400)."""
         ids = list(request.prompt)
         routed = RoutedRequest.of(request.request_id, ids, self.block_size, request.metadata)
-        return await RemoteStream(self.handle, Job(routed, request.params, request.metadata)).place()
+        return await RemoteStream(self.handle, Job(routed, request.params, request.metadata), self.streams).place()
+
+    async def drain(self, grace_s: float) -> int:
+        """Refuse new requests (503) and wait up to `grace_s` for the open ones to end; how many were left."""
+        self.healthy = False
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while self.streams["open"] > 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        return self.streams["open"]
 
     async def render(self) -> bytes:
         """Every replica's Prometheus series, each labelled with its replica."""
@@ -337,8 +360,12 @@ class Gateway:
         from jitney.serve.app import build_app
 
         replicas, model, name, block_size, api_key, max_waiting, max_n = self.args
-        remote = RemoteEngine(replicas, model, block_size)
-        return build_app(remote, name, remote, api_key=api_key, max_waiting=max_waiting, max_n=max_n)
+        self.remote = RemoteEngine(replicas, model, block_size)
+        return build_app(self.remote, name, self.remote, api_key=api_key, max_waiting=max_waiting, max_n=max_n)
+
+    async def drain(self, grace_s: float) -> int:
+        """Called on shutdown, before the replicas stop: see `RemoteEngine.drain`."""
+        return await self.remote.drain(grace_s)
 
 
 # -- running it ---------------------------------------------------------------------------------------------
@@ -393,6 +420,27 @@ def application(fleet: Fleet):
                         fleet.max_waiting, fleet.max_n)
 
 
+def _await_every_replica(url: str, fleet: Fleet, timeout_s: float = 120.0) -> None:
+    """Wait until the gateway's handle knows every replica (its /metrics gathers from each): a fresh gateway
+    first sees the replica that started first, and its router would place every request there."""
+    import time
+
+    import httpx
+
+    headers = {"Authorization": f"Bearer {fleet.api_key}"} if fleet.api_key else {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
+        except httpx.HTTPError:
+            text = ""
+        if len({line.split('replica="', 1)[1].split('"', 1)[0] for line in text.splitlines()
+                if 'replica="' in line}) >= fleet.replicas:
+            return
+        time.sleep(0.2)
+    log.warning("the gateway did not see all %d replicas within %.0f s", fleet.replicas, timeout_s)
+
+
 def serve_fleet(fleet: Fleet, host: str, port: int, address: str | None = None) -> None:
     """Serve `fleet` until SIGTERM or Ctrl-C, then drain: running requests get `grace_s` to finish, new ones
     get 503. Without `address` a local Ray instance is started and stopped with it; with one (``auto``,
@@ -405,15 +453,23 @@ def serve_fleet(fleet: Fleet, host: str, port: int, address: str | None = None) 
 
     ray.init(address=address, ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
     stop = threading.Event()
+    gateway = None
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(application(fleet), name="jitney", route_prefix="/")
+        gateway = serve.run(application(fleet), name="jitney", route_prefix="/")
+        _await_every_replica(f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}", fleet)
         print(f"jitney: {fleet.replicas} replicas of {fleet.model} on http://{host}:{port} (router {fleet.router})",
               flush=True)
         stop.wait()
     finally:
-        serve.shutdown()  # (each replica drains: its running requests have grace_s to finish)
+        try:  # new requests get 503 at once; running ones have grace_s to finish
+            left = gateway.drain.remote(fleet.grace_s).result(timeout_s=fleet.grace_s + 10) if gateway else 0
+            if left:
+                log.warning("%d requests were still running after %.0f s: they end now", left, fleet.grace_s)
+        except Exception:
+            log.exception("draining the gateway failed")
+        serve.shutdown()
         if address is None:
             ray.shutdown()

@@ -179,3 +179,24 @@ def _replica_actor(replica_id: str):
         if "EngineReplica" in actor["name"] and replica_id in actor["name"]:
             return ray.get_actor(actor["name"], namespace=actor["namespace"])
     raise LookupError(f"no actor for replica {replica_id}")
+
+
+def test_draining_answers_new_requests_503_and_lets_running_ones_finish(cluster):
+    url = deploy(cluster, "least_loaded")
+    seen: dict = {}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client, anyio.create_task_group() as tg:
+            tg.start_soon(_stream, client, url, [7000 + j for j in range(20)], seen)
+            with anyio.fail_after(60):
+                while not seen.get("tokens"):
+                    await anyio.sleep(0.05)
+            drained = serve.get_app_handle("jitney").drain.remote(60)  # (what SIGTERM does first)
+            await anyio.sleep(0.5)
+            late = await client.post(f"{url}/v1/completions", json={"model": "smollm2", "prompt": [5, 6], "max_tokens": 2})
+            assert late.status_code == 503
+            assert (await client.get(f"{url}/health")).status_code == 503
+            assert await anyio.to_thread.run_sync(drained.result) == 0  # nothing was left running
+
+    anyio.run(main)
+    assert seen["end"] == "length"  # the running request ran to its max_tokens

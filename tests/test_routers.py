@@ -60,6 +60,9 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica_within_the_load_bo
     # past (1 + e) x the average load (+1), the prefix's replica is passed over for the least loaded
     busy = [ReplicaLoad(first_a, running=12), ReplicaLoad(first_b, running=2)]
     assert router.choose(requests(1, system_a, seed=4)[0], busy) == first_b
+    # the prefix is now held by both: the next request sharing it takes the less loaded of the two
+    assert router.choose(requests(1, system_a, seed=5)[0], [ReplicaLoad(first_a, running=2),
+                                                            ReplicaLoad(first_b, running=4)]) == first_a
 
 
 def test_prefix_affinity_follows_the_longest_known_prefix_and_forgets_the_oldest():
@@ -71,4 +74,4 @@ def test_prefix_affinity_follows_the_longest_known_prefix_and_forgets_the_oldest
     assert one == two  # the shared blocks lead it there, though the other is emptier (within the bound)
     for i in range(10):  # 10 new prefixes of 2 blocks: the first ones are forgotten
         router.choose(RoutedRequest.of(f"z{i}", [20 + i] * 33, 16), fleet(0, 0))
-    assert len(router.holder) == 8
+    assert len(router.holders) == 8

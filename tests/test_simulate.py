@@ -306,6 +306,25 @@ def test_host_overhead_is_measured_for_analytic_profiles(tiny_config):
     assert with_host.coefficients[0] == pytest.approx(analytic(model, 1.0, 100.0).coefficients[0] + step_s)
 
 
+def test_a_fleet_is_simulated_with_the_router_plugins_each_replica_on_its_own_clock(tiny_config):
+    model = meta_model(str(tiny_config))
+    work = prefixes_workload()
+    rows = {r: simulate(model, work, SHAPED, replicas=2, router=r, **CONFIG, plugins=[Registers()])
+            for r in ("prefix_affinity", "round_robin")}
+    assert rows["round_robin"]["requests_per_replica"] == [24, 24]
+    assert sum(rows["prefix_affinity"]["requests_per_replica"]) == 48
+    # requests of one prefix kept together hit the cache more than requests dealt out in turn
+    assert rows["prefix_affinity"]["prefix_hit_rate"] > rows["round_robin"]["prefix_hit_rate"]
+    # two replicas run side by side: two one-at-a-time requests take half as long as on one engine
+    pair = [Arrival([5, 6, 7], 8), Arrival([8, 9, 10], 8)]
+    one = simulate(model, pair, CONSTANT, block_size=4, num_blocks=16, max_requests_per_batch=1)
+    two = simulate(model, pair, CONSTANT, replicas=2, router="round_robin", block_size=4, num_blocks=16,
+                   max_requests_per_batch=1)
+    assert two["wall_s"] == pytest.approx(one["wall_s"] / 2, rel=0.1)
+    with pytest.raises(ValueError, match="unknown router 'nearest'"):
+        simulate(model, pair, CONSTANT, replicas=2, router="nearest", block_size=4, num_blocks=16)
+
+
 def test_a_trace_recorded_without_token_ids_keeps_the_prefix_sharing_and_no_text(tmp_path, tiny_config):
     from jitney.bench.traces import materialize, read_trace
     from jitney.plugins.trace import TraceRecorder
