@@ -13,6 +13,23 @@ import uvicorn
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 
+def scaled_tiny(config_class, model_class, scale: float = 5.0, vary_vectors: bool = False, **kw):
+    """A tiny random model of any architecture, its weights scaled up: at the default initialisation attention
+    features hide (soft-caps and rope scaling change no token). `vary_vectors`: biases and norm weights, which
+    start all zeros or all ones, get noise too (by little: larger biases make GPT-2 and Gemma repeat
+    themselves)."""
+    torch.manual_seed(0)
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    model = model_class(config_class(**{**base, **kw})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+            if vary_vectors and p.dim() == 1:
+                p.add_(torch.randn_like(p), alpha=0.1)
+    return model
+
+
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(

@@ -11,7 +11,7 @@ import anyio
 import pytest
 import torch
 import transformers as T
-from support import reference
+from support import reference, scaled_tiny
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
 from jitney.core.selfcheck import UnfaithfulModel
@@ -22,19 +22,7 @@ WINDOW = 8
 
 
 def tiny(config_class, model_class, scale=5.0, **kw):
-    """A tiny random model. At the default initialisation features hide (soft-caps and rope scaling change no
-    token), so weights are scaled up, and biases and norm weights, which start all zeros or all ones, vary (by
-    little: larger biases make GPT-2 and Gemma repeat themselves)."""
-    torch.manual_seed(0)
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    model = model_class(config_class(**{**base, **kw})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(scale)
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p), alpha=0.1)
-    return model
+    return scaled_tiny(config_class, model_class, scale, vary_vectors=True, **kw)
 
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,

@@ -4,9 +4,8 @@ model class and the reason, and left as it was; models it runs pass."""
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers as T
-from support import reference
+from support import reference, scaled_tiny
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
 from jitney.core.hooks import hookimpl
@@ -15,15 +14,7 @@ from jitney.kernels import TorchPagedAttention
 
 
 def tiny(config_class, model_class, **kw):
-    """A tiny random model, its weights scaled up so that every attention feature changes the logits."""
-    torch.manual_seed(0)
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    model = model_class(config_class(**{**base, **kw})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(5)
-    return model
+    return scaled_tiny(config_class, model_class, **kw)
 
 
 REFUSED = {
