@@ -59,10 +59,16 @@ def _serve(args: argparse.Namespace) -> int:
                   cpu_offload_space=args.cpu_offload_space, speculative_tokens=args.speculative_tokens,
                   scheduler=args.scheduler, eviction=args.eviction)
     EngineConfig(**fields)  # (a bad value is refused here, before any replica starts)
+    if args.replicas < 1:
+        raise ValueError("--replicas must be >= 1")
     if args.replicas > 1 or args.address:
         if args.record_trace:
             raise ValueError("--record-trace records one engine's traffic: use it with --replicas 1")
+        from jitney.core.hooks import make_plugin_manager, registry
+        from jitney.routers import RouterConfig
         from jitney.serve.cluster import Fleet, serve_fleet
+
+        registry(make_plugin_manager(), "router").create(args.router, RouterConfig())  # (an unknown name: here)
 
         fleet = Fleet(args.model, args.replicas, args.router, fields, args.api_key, args.max_waiting, args.max_n)
         serve_fleet(fleet, args.host, args.port, args.address)

@@ -377,7 +377,7 @@ class Fleet:
 
     model: str
     replicas: int = 2
-    router: str = "least_loaded"
+    router: str = "prefix_affinity"
     engine: dict = field(default_factory=dict)
     """`EngineConfig` fields for every replica."""
     api_key: str | None = None

@@ -75,3 +75,62 @@ def test_prefix_affinity_follows_the_longest_known_prefix_and_forgets_the_oldest
     for i in range(10):  # 10 new prefixes of 2 blocks: the first ones are forgotten
         router.choose(RoutedRequest.of(f"z{i}", [20 + i] * 33, 16), fleet(0, 0))
     assert len(router.holders) == 8
+
+
+class _Replica:
+    """What Ray's `RunningReplica` gives a request router: an id and the replica's last reported stats."""
+
+    def __init__(self, rid: str, running: int = 0):
+        self.replica_id = type("ReplicaID", (), {"unique_id": rid})()
+        self.routing_stats = {"running": running, "waiting": 0}
+
+
+class _Pending:
+    def __init__(self, routed: RoutedRequest):
+        self.args = [type("Job", (), {"routed": routed})()]
+        self.metadata = type("RequestMetadata", (), {"internal_request_id": routed.request_id})()
+
+
+def ray_router(policy):
+    """jitney's Ray request router around `policy`, without Ray's own machinery (its methods only)."""
+    from jitney.serve.cluster import _RouterMethods
+
+    router = object.__new__(_RouterMethods)
+    router.initialize_state("least_loaded")
+    router.policy = policy
+    return router
+
+
+async def test_a_router_that_raises_or_names_no_replica_places_the_request_anywhere(caplog):
+    class Raising:
+        def choose(self, request, replicas):
+            raise RuntimeError("boom")
+
+    class Astray:
+        def choose(self, request, replicas):
+            return "nowhere"
+
+    replicas = [_Replica("a"), _Replica("b")]
+    pending = _Pending(requests(1, [])[0])
+    assert await ray_router(Raising()).choose_replicas(replicas, pending) == [replicas]
+    assert await ray_router(Astray()).choose_replicas(replicas, pending) == [replicas]
+    assert "router Raising failed" in caplog.text and "'nowhere', not a replica" in caplog.text
+
+
+async def test_the_ray_router_keeps_its_decision_while_ray_asks_again():
+    router = ray_router(RoundRobin())
+    replicas = [_Replica("a"), _Replica("b")]
+    first, second = (_Pending(r) for r in requests(2, []))
+    chosen = await router.choose_replicas(replicas, first)
+    assert len(chosen) == 1 and len(chosen[0]) == 1  # that replica alone
+    assert await router.choose_replicas(replicas, first) == chosen  # (its probe timed out: asked again)
+    assert await router.choose_replicas(replicas, second) != chosen  # the next request is the next turn
+
+
+def test_serving_several_replicas_refuses_bad_options_before_starting_anything(capsys):
+    from jitney.cli import main
+
+    assert main(["serve", "--replicas", "2", "--router", "nearest"]) == 2
+    assert "unknown router 'nearest'" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "0"]) == 2
+    assert "--replicas must be >= 1" in capsys.readouterr().err
