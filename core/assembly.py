@@ -13,6 +13,7 @@ from jitney.cache.sizing import bytes_per_block, check_committable, solve_num_bl
 from jitney.core.config import EngineConfig
 from jitney.core.graphs import CudaGraphCapture, StaticDecoder, eager
 from jitney.kernels import cpu_layers, cpu_linear, native
+from jitney.kernels.torch_paged import TorchPagedAttention
 
 
 def default_attention(param: torch.Tensor) -> str:
@@ -74,13 +75,35 @@ def plan_static_steps(cfg: EngineConfig, model, cache: CacheManager, backend, co
     return static, graphs if cfg.use_async_batching is None else cfg.use_async_batching
 
 
+def invariant_backend(cfg: EngineConfig, backend, name: str, device: torch.device):
+    """The attention backend that serves `cfg`: with `batch_invariant`, the torch backend's rowwise step; a
+    `ValueError` where the mode cannot hold (not on CPU, no C++ kernels, linears left to torch, or a backend that
+    does not declare `batch_invariant`)."""
+    if not cfg.batch_invariant:
+        return backend
+    why = None
+    if device.type != "cpu":
+        why = f"it is implemented on CPU only (the model is on {device.type})"
+    elif not native.available():
+        why = "jitney's C++ kernels do not build here (its linear layers need them)"
+    elif cfg.pack_cpu_weights is False:
+        why = "pack_cpu_weights=False leaves the linear layers to torch, whose sums depend on the batch"
+    elif type(backend) is TorchPagedAttention:
+        return TorchPagedAttention(rowwise=True)
+    elif not getattr(backend, "batch_invariant", False):
+        why = f"the attention backend {name!r} does not declare batch_invariant"
+    if why:
+        raise ValueError(f"EngineConfig.batch_invariant: {why}")
+    return backend
+
+
 def enter_cpu_paths(cfg: EngineConfig, model) -> list:
     """Packed linears and fused decoder layers, where configured and possible (see `EngineConfig`), entered;
     the caller exits them in reverse order. If one fails to enter, those already entered are exited."""
     on_cpu = next(model.parameters()).device.type == "cpu"
     pack = cfg.pack_cpu_weights
     if pack is None:
-        pack = on_cpu and cpu_linear.available()
+        pack = on_cpu and (native.available() if cfg.batch_invariant else cpu_linear.available())
     fuse = cfg.fuse_cpu_layers
     if fuse is None:
         fuse = pack and native.available()
@@ -89,7 +112,8 @@ def enter_cpu_paths(cfg: EngineConfig, model) -> list:
         if fuse:
             paths.append(cpu_layers.FusedLayers(model).__enter__())
         if pack:
-            paths.append(cpu_linear.PackedLinears(model, skip=paths[0].linears if fuse else frozenset()).__enter__())
+            skip = paths[0].linears if fuse else frozenset()
+            paths.append(cpu_linear.PackedLinears(model, skip=skip, widen=cfg.batch_invariant).__enter__())
     except BaseException:
         for path in reversed(paths):
             path.__exit__(None, None, None)

@@ -71,6 +71,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     rotary and SiLU, one linear each over the q/k/v and the gate/up weights stacked (`kernels/cpu_layers.py`).
     `None`: on where the weights are packed and the C++ kernels build."""
 
+    batch_invariant: bool = False
+    """Every request's logits bit-identical whatever else is batched with it and however its prompt is chunked
+    (what `SamplingParams.seed` promises), for every attention backend and dtype on CPU. Without it that holds
+    only on the paths that are invariant anyway: fp32 through jitney's C++ kernels (the default `cpu` backend) and
+    Triton; the `torch` backend and bf16 / fp16 models differ by float rounding (~1e-7 fp32, ~4e-3 bf16), enough
+    to change a token now and then. On, the `torch` backend attends one query row at a time
+    (`TorchPagedAttention(rowwise=True)`) and bf16 / fp16 linear layers compute through jitney's fp32 kernel over
+    an fp32 copy of their weights (twice the bf16 weights' memory). Costs: docs/reliability.md. Needs a CPU model,
+    the C++ kernels, and an attention backend that declares `batch_invariant`; otherwise a `ValueError` at start-up."""
+
     check_model: bool = True
     """When the engine is entered, run a few positions through the model's own attention and through the path
     that will serve it, and refuse the model (`selfcheck.UnfaithfulModel`, naming the class and the reason)

@@ -52,6 +52,7 @@ class Engine:
         param = next(model.parameters())
         backend_name = config.attention_backend or assembly.default_attention(param)
         backend = registry(self.plugins, "attention backend").create(backend_name, param.device)
+        backend = assembly.invariant_backend(config, backend, backend_name, param.device)
         eviction = registry(self.plugins, "eviction policy").create(config.eviction, config)
         self.cache = assembly.build_cache(config, mc, param.dtype, param.device, self.max_context, eviction)
         self.executor = StepExecutor(model, self.cache, backend)

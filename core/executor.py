@@ -83,7 +83,7 @@ class StepExecutor:
         return prepared
 
     def _build(self, entries: list[tuple[Sequence, int]], ahead: bool) -> PreparedStep:
-        seqs, ids, positions, qlens, ctx, sampled_rows, sampled_entries = (
+        seqs, ids, positions, qlens, ctx, sampled_rows, sampled_entries, num_decodes = (
             self._decode_rows(entries, ahead) or self._mixed_rows(entries, ahead))
         cache = self.cache
         request_ids = [s.request_id for s in seqs]
@@ -107,7 +107,7 @@ class StepExecutor:
         tables = [cache.block_table_tensor(request_ids, g).to(self.device) for g in range(len(cache.groups))]
         pos = int_tensor(positions, self.device)
         step = StepInputs(
-            query_lens=qlens, context_lens=ctx, num_decodes=qlens.count(1), positions=pos,
+            query_lens=qlens, context_lens=ctx, num_decodes=num_decodes, positions=pos,
             block_tables=tables, group_of_layer=cache.group_of_layer, block_size=cache.block_size,
             padding_slot=cache.padding_slot, keys=cache.keys, values=cache.values,
         )
@@ -130,17 +130,20 @@ class StepExecutor:
             positions, ids = lengths, [0] * len(seqs)
         else:
             positions = [s.num_computed for s in seqs]
-            if [p + 1 for p in positions] != lengths:  # a one-token prefill chunk
-                return None
+            if [p + 1 for p in positions] != lengths or any(p < len(s.prompt_ids) for p, s in zip(positions, seqs)):
+                return None  # a one-token prefill chunk (the prompt's last token, perhaps: not a decode either)
             ids = [(s.output_ids or s.prompt_ids)[-1] for s in seqs]  # a decode runs the latest token
         ctx = [p + 1 for p in positions]
         every = list(range(len(seqs)))
-        return seqs, ids, positions, [1] * len(seqs), ctx, every, every
+        return seqs, ids, positions, [1] * len(seqs), ctx, every, every, len(seqs)
 
     @staticmethod
     def _mixed_rows(entries: list[tuple[Sequence, int]], ahead: bool) -> tuple:
-        # Rows with one query token (decodes) go first: the backend batches them in one call.
-        order = sorted(range(len(entries)), key=lambda i: entries[i][1] != 1)
+        # Decodes go first: the backend batches them in one call. A one-token chunk of a prompt is not a decode: it
+        # stays a prefill chunk, so that a prompt's rows go through the prefill kernel however the prompt is split
+        # (the two kernels sum in different orders: its logits would depend on the split, see docs/reliability.md).
+        decode = [ahead or (n == 1 and s.num_computed >= len(s.prompt_ids)) for s, n in entries]
+        order = sorted(range(len(entries)), key=lambda i: not decode[i])
         ids: list[int] = []
         positions: list[int] = []
         qlens, ctx, sampled_rows, sampled_entries = [], [], [], []
@@ -154,7 +157,7 @@ class StepExecutor:
             if ahead or start + n == seq.num_tokens:
                 sampled_rows.append(len(ids) - 1)
                 sampled_entries.append(i)
-        return [entries[i][0] for i in order], ids, positions, qlens, ctx, sampled_rows, sampled_entries
+        return [entries[i][0] for i in order], ids, positions, qlens, ctx, sampled_rows, sampled_entries, sum(decode)
 
     def set_tokens(self, prepared: PreparedStep, token_ids: list[int]) -> None:
         """Give a step prepared `ahead` its input tokens, one per entry in entry order."""

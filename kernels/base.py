@@ -110,6 +110,10 @@ class AttentionBackend(Protocol):
     A backend that sets ``static_steps = True`` also handles `StepInputs.static` steps, which CUDA graphs
     and padded decode steps need (without it, the engine turns CUDA graphs off).
 
+    A backend that sets ``batch_invariant = True`` computes each query row's output from that row's query and
+    context alone, summed in an order that the rest of the step does not change: only such a backend serves
+    `EngineConfig.batch_invariant`.
+
     A backend that sets ``reads_unwritten_slots = False`` reads no slot of a request's blocks past its
     context: the engine then leaves new blocks as they are, where for others it zeroes them before each step
     (a masked slot weighs nothing only if it holds a finite value).

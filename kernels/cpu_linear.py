@@ -4,7 +4,7 @@
 `kernels/cpu_kernels.cpp`): a register-tiled kernel that reads each weight once per step and reuses it across
 up to six rows at a time. Over SmolLM2's decoder linears on this project's 2-core machine it ran 1.2–2.1x
 faster than oneDNN's prepacked matmul from 1 to 64 rows and 1.15–1.25x at 128–256 (the same process; table in
-docs/benchmarks.md), and faster than the plain-weight kernel it replaced at one or two rows. The packed copies
+docs/performance-notes.md), and faster than the plain-weight kernel it replaced at one or two rows. The packed copies
 sit on transparent huge pages where the OS offers them (`pack_panels`). Where the C++ kernels cannot be
 built, oneDNN's prepacked matmul is used instead. Either keeps one packed copy of each weight while an engine
 runs (SmolLM2: +0.5 GB) and differs from `F.linear` by float rounding only.
@@ -24,19 +24,29 @@ def available() -> bool:
 
 class PackedLinears:
     """While entered, every fp32 CPU `nn.Linear` of `model` computes through a packed weight, except those in
-    `skip` (computed by someone else, e.g. `cpu_layers.FusedLayers`)."""
+    `skip` (computed by someone else, e.g. `cpu_layers.FusedLayers`).
 
-    def __init__(self, model: nn.Module, skip: set[nn.Module] | frozenset = frozenset()):
+    `widen` (`EngineConfig.batch_invariant`): bf16 and fp16 linears too, through `PanelLinear` over an fp32 copy of
+    their weights, rows cast to fp32 and the outputs back. torch's bf16 matmul sums a row's products in an order that
+    depends on the number of rows (a row's output differed by up to 4e-3 alone vs in a batch); the panel kernel
+    sums every row the same way."""
+
+    def __init__(self, model: nn.Module, skip: set[nn.Module] | frozenset = frozenset(), widen: bool = False):
         self.model = model
         self.skip = skip
+        self.widen = widen
         self.patched: list[nn.Linear] = []
 
     def __enter__(self) -> "PackedLinears":
+        kinds = (torch.float32, torch.bfloat16, torch.float16) if self.widen else (torch.float32,)
         for module in self.model.modules():
             w = module.weight if isinstance(module, nn.Linear) else None
-            if w is None or w.dtype != torch.float32 or w.device.type != "cpu" or module in self.skip:
+            if w is None or w.dtype not in kinds or w.device.type != "cpu" or module in self.skip:
                 continue
-            module.forward = packed_linear([w.detach()], module.bias)
+            if w.dtype == torch.float32:
+                module.forward = packed_linear([w.detach()], module.bias)
+            else:
+                module.forward = _widened(PanelLinear([w.detach().float()], None if module.bias is None else module.bias.float()))
             self.patched.append(module)
         return self
 
@@ -69,6 +79,13 @@ class PanelLinear:
         if not flat.is_contiguous():
             flat = flat.contiguous()
         return self._kernel(flat, self.packed, self.width, self.bias, self.gated).view(*x.shape[:-1], self.out_features)
+
+
+def _widened(linear: PanelLinear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return linear(x.float()).to(x.dtype)
+
+    return forward
 
 
 def packed_linear(weights: list[torch.Tensor], bias: torch.Tensor | None):

@@ -18,6 +18,9 @@ class CpuPagedAttention(TorchPagedAttention):
     thread's time on mixed-64)."""
 
     reads_unwritten_slots = False
+    # Each row's sums in an order fixed by its own context (a decode's by the decode kernel, a prompt's rows by the
+    # prefill kernel however the prompt is chunked: see `StepExecutor._mixed_rows`).
+    batch_invariant = True
 
     def __init__(self):
         self.kernel = native.load()

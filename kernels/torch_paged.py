@@ -11,12 +11,22 @@ from jitney.kernels.base import StepInputs, int_tensor
 
 class TorchPagedAttention:
     """Per layer: one scatter of the new K/V into the cache, two batched matmuls over every decode row (query
-    heads grouped under their KV head), and one SDPA call over the prefill chunks padded to a rectangle."""
+    heads grouped under their KV head), and one SDPA call over the prefill chunks padded to a rectangle.
+
+    `rowwise` (`EngineConfig.batch_invariant`): instead, each query row attends alone, in fp32, over exactly its
+    own context. The batched calls' sums run in orders that depend on the other rows (the padded widths, the
+    number of rows): a row's output differed by ~1e-7 in fp32, ~4e-3 in bf16. Rowwise it cannot: the same
+    calls on the same shapes whatever else the step holds, and no different path for decodes and prefills."""
 
     static_steps = True  # works on StepInputs.static steps (CUDA graphs)
 
+    def __init__(self, rowwise: bool = False):
+        self.rowwise = rowwise
+        self.batch_invariant = rowwise
+        """Whether each row's output is independent of the rest of the batch (see `AttentionBackend`)."""
+
     def prepare(self, step: StepInputs) -> "_TorchStep":
-        return _TorchStep(step)
+        return _RowStep(step) if self.rowwise else _TorchStep(step)
 
 
 class _TorchStep:
@@ -158,6 +168,51 @@ class _TorchStep:
         else:
             op = _attend(qp, kp, vp, mask, scaling, softcap, sinks)
         return op.transpose(1, 2).reshape(np_ * qmax, heads, dim).index_select(0, self.pre_unpad)
+
+
+class _RowStep:
+    """`TorchPagedAttention(rowwise=True)`'s step: one query row at a time over the cache slots of its context."""
+
+    supports = frozenset({"softcap", "sinks"})
+
+    def __init__(self, step: StepInputs):
+        self.keys, self.values, self.group_of_layer = step.keys, step.values, step.group_of_layer
+        self.write_slots = step.write_slots
+        self.tables, self.block_size = step.block_tables, step.block_size
+        # per query row: its request's row of the block tables and the length of its context (itself included)
+        self.rows = [(r, c - n + 1 + i) for r, (n, c) in enumerate(zip(step.query_lens, step.context_lens)) for i in range(n)]
+        self._slots: dict[tuple[int, int | None], list[torch.Tensor]] = {}
+
+    def slots(self, g: int, window: int | None) -> list[torch.Tensor]:
+        """Per query row, the cache slots of the keys it sees (built once per step per group and window)."""
+        key = (g, window)
+        if key not in self._slots:
+            bs, table = self.block_size, self.tables[g]
+            out = []
+            for r, length in self.rows:
+                pos = torch.arange(0 if window is None else max(0, length - window), length, device=table.device)
+                out.append(table[r, pos // bs] * bs + pos % bs)
+            self._slots[key] = out
+        return self._slots[key]
+
+    def __call__(self, layer, query, key, value, scaling, sliding_window, *, softcap=None, sinks=None):
+        g = self.group_of_layer[layer]
+        kc, vc = self.keys[layer], self.values[layer]
+        kc.index_copy_(0, self.write_slots[g], key[0].transpose(0, 1))
+        vc.index_copy_(0, self.write_slots[g], value[0].transpose(0, 1))
+        heads, t, dim = query.shape[1:]
+        kvh = kc.shape[1]
+        q = query[0].transpose(0, 1).float().view(t, kvh, heads // kvh, dim) * scaling
+        s = None if sinks is None else sinks.float().view(kvh, heads // kvh, 1)
+        out = torch.empty(t, heads, dim, dtype=torch.float32, device=query.device)
+        for i, slots in enumerate(self.slots(g, sliding_window)):
+            k = kc.index_select(0, slots).float().permute(1, 2, 0)  # [kvh, D, L]
+            v = vc.index_select(0, slots).float().transpose(0, 1)  # [kvh, L, D]
+            scores = q[i] @ k  # [kvh, group, L]
+            if softcap is not None:
+                _softcap_(scores, softcap)
+            out[i] = (_softmax(scores, s) @ v).view(heads, dim)
+        return out.to(query.dtype).unsqueeze(0)
 
 
 def _softcap_(scores: torch.Tensor, softcap: float) -> None:

@@ -119,6 +119,10 @@ class TritonPagedAttention:
     """The Triton backend: the same contract as the torch reference (`jitney.kernels.base.StepAttention`)."""
 
     static_steps = True  # works on StepInputs.static steps (CUDA graphs)
+    # Each row's blocks in the same order through the same `_attend_block` in both kernels: bit-identical alone or
+    # in a crowd as measured in Triton's CPU interpreter (tests/test_batch_invariance.py); never measured on a GPU,
+    # where `EngineConfig.batch_invariant` is refused.
+    batch_invariant = True
 
     block_m = 16
 

@@ -298,10 +298,13 @@ def test_a_decode_steps_rows_are_those_of_the_general_path(ahead):
         s.num_computed = len(prompt) + len(outputs) - 1
         return s
 
-    entries = [(decoding([5, 6, 7], []), 1), (decoding([5, 6], [9, 11, 4]), 1), (decoding(list(range(40)), [3]), 1)]
+    entries = [(decoding([5, 6, 7], [8]), 1), (decoding([5, 6], [9, 11, 4]), 1), (decoding(list(range(40)), [3]), 1)]
     fast = StepExecutor._decode_rows(entries, ahead)
     assert fast is not None and fast == StepExecutor._mixed_rows(entries, ahead)
-    assert fast[1] == ([0, 0, 0] if ahead else [7, 4, 3])  # each row's token: the latest one
+    assert fast[1] == ([0, 0, 0] if ahead else [8, 4, 3])  # each row's token: the latest one
     chunk = decoding(list(range(20)), [])
     chunk.num_computed = 10  # a one-token chunk of a prompt: not a decode
-    assert StepExecutor._decode_rows(entries + [(chunk, 1)], ahead=False) is None
+    last = decoding(list(range(20)), [])  # the prompt's last token alone: not a decode either (batch invariance)
+    for other in (chunk, last):
+        assert StepExecutor._decode_rows(entries + [(other, 1)], ahead=False) is None
+        assert StepExecutor._mixed_rows(entries + [(other, 1)], ahead=False)[-1] == len(entries)  # decodes counted
