@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL  := $(VENV)/.model
 
-.PHONY: demo test nightly setup bench clean
+.PHONY: demo test nightly setup bench bench-peers clean
 
 setup: $(MODEL)
 
@@ -34,6 +34,11 @@ nightly: $(MODEL)
 
 bench: $(MODEL)
 	$(BIN)/jitney bench --workload mixed-64
+
+# llama.cpp beside jitney on the same weights and requests (builds llama.cpp from source once: minutes)
+bench-peers: $(MODEL)
+	$(BIN)/pip install --quiet -e ".[peers]"
+	$(BIN)/jitney bench --workload mixed-64 --modes jitney,llama-cpp,llama-cpp-q4
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="jitney,hf-cb,hf-static",
                         help="comma-separated: jitney, jitney-nocache (prefix caching off), jitney-nospec "
                              "(speculative decoding off), hf-cb (transformers continuous batching), hf-static "
-                             "(transformers generate)")
+                             "(transformers generate), llama-cpp / llama-cpp-q4 (llama.cpp on the same weights in F32 "
+                             "/ the embedded Q4_1; `make bench-peers`)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies: one jitney run each")
     parser.add_argument("--scheduler", default="fifo", help="jitney's scheduler (a registered name)")
     parser.add_argument("--num-blocks", type=int, default=None, help="jitney's cache size (default: the whole workload fits)")
@@ -214,6 +215,17 @@ def run_hf_static(model, tokenizer, work: Workload, args):
     return out, None, time.perf_counter() - t0
 
 
+def _run_llama_cpp(args, work: Workload, q4: bool):
+    from jitney.bench import peers
+
+    why = peers.available()
+    if why:
+        raise ValueError(f"the llama-cpp modes need llama.cpp: {why}")
+    if args.model != "smollm2":
+        raise ValueError("the llama-cpp modes run the embedded SmolLM2's GGUF: use them with --model smollm2")
+    return peers.run_llama_cpp(peers.embedded_gguf() if q4 else peers.f32_gguf(), work, torch.get_num_threads())
+
+
 def runs(args) -> list[tuple[str, Callable]]:
     """(label, runner) for each requested mode; jitney runs once per eviction policy."""
     out = []
@@ -228,6 +240,8 @@ def runs(args) -> list[tuple[str, Callable]]:
             out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, speculative_tokens=0)))
         elif mode in ("hf-cb", "hf-static"):
             out.append((mode, run_hf_cb if mode == "hf-cb" else run_hf_static))
+        elif mode in ("llama-cpp", "llama-cpp-q4"):
+            out.append((mode, lambda m, t, w, a, q4=mode.endswith("q4"): _run_llama_cpp(a, w, q4)))
         else:
             raise ValueError(f"unknown mode {mode!r}")
     return out
