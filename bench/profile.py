@@ -110,7 +110,7 @@ def fit_in_two(shapes: list[list[float]], seconds: list[float]) -> list[float]:
     went from -3% to +11% and mixed-64's ITL from -8% to -15% against the real runs)."""
     plain = [i for i, s in enumerate(shapes) if not any(s[SPECULATIVE:])]
     base = fit([shapes[i][:SPECULATIVE] for i in plain], [seconds[i] for i in plain])
-    drafting = [i for i in range(len(shapes)) if i not in set(plain)]
+    drafting = [i for i, s in enumerate(shapes) if any(s[SPECULATIVE:])]
     if not drafting:
         return [*base, *[0.0] * (len(FEATURES) - SPECULATIVE)]
     beyond = [seconds[i] - float(np.dot(base, shapes[i][:SPECULATIVE])) for i in drafting]
