@@ -23,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draw each jitney run's schedule (the mode appended to the name when several)")
     parser.add_argument("--trace", default=None, help="replay a JSONL trace instead, arrivals honoured (jitney modes only)")
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="convert the model to this dtype after loading (every mode runs the converted model)")
+    parser.add_argument("--tokens", dest="tokens_path", default=None,
+                        help="also write each mode's generated tokens to this JSON file (to compare runs, e.g. dtypes)")
     parser.add_argument("--modes", default="jitney,hf-cb,hf-static",
                         help="comma-separated: jitney, jitney-nocache (prefix caching off), jitney-nospec "
                              "(speculative decoding off), hf-cb (transformers continuous batching), hf-static "
@@ -268,6 +272,9 @@ def main(args) -> int:
 
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model)
+    dtype = getattr(args, "dtype", "float32")
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
     if args.null_executor:
         from jitney.bench.overhead import measure
 
@@ -291,7 +298,7 @@ def main(args) -> int:
         work = WORKLOADS[args.workload](vocab)
     out_tokens = sum(n for _, n in work)
     print(f"workload {args.workload}: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt and "
-          f"{out_tokens} output tokens; torch threads {torch.get_num_threads()}")
+          f"{out_tokens} output tokens; torch threads {torch.get_num_threads()}; model in {dtype}")
     first_peak = matmul_peak_gflops()
     gflop = workload_gflop(model, work)
     print(f"fp32 matmul peak {first_peak:.0f} GFLOP/s; workload {gflop:.0f} GFLOP -> {gflop / first_peak:.1f} s at the roofline")
@@ -354,7 +361,10 @@ def main(args) -> int:
         if row.get("draft_tokens"):
             print(f"{row['mode']}: {row['speculative_steps']} speculative steps of {row['steps']}, "
                   f"{row['draft_accepted_share']:.0%} of {row['draft_tokens']} proposed tokens accepted")
-    report = {"workload": args.workload, "requests": len(work), "output_tokens": out_tokens,
+    if getattr(args, "tokens_path", None):
+        with open(args.tokens_path, "w") as f:
+            json.dump({"dtype": dtype, "outputs": outputs}, f)
+    report = {"workload": args.workload, "requests": len(work), "output_tokens": out_tokens, "dtype": dtype,
               "matmul_peak_gflops": peak, "matmul_peak_first_gflops": first_peak, "workload_gflop": gflop,
               "read_gbps": read, "read_first_gbps": first_read, "weight_bytes": weights,
               "weight_read_limit_tok_s": round(weight_limit, 1), "rows": rows}
