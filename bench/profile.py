@@ -35,9 +35,9 @@ SPECULATIVE = FEATURES.index("draft_passes")
 def features(step, sampled: int, speculate: int = 0) -> list[float]:
     """A step's shape (`StepInputs`), in `FEATURES` order; `speculate`: the draft tokens of each row (its
     entries are then all one-token decodes, `sampled` of them)."""
-    query_lens, context_lens = step.query_lens, step.context_lens
-    decode_kv = sum(c for q, c in zip(query_lens, context_lens) if q == 1)
-    prefill_attention = sum(q * c for q, c in zip(query_lens, context_lens) if q > 1)
+    query_lens, context_lens, nd = step.query_lens, step.context_lens, step.num_decodes
+    decode_kv = sum(context_lens[:nd])  # (decode rows come first; a prompt's one-token chunk is not one)
+    prefill_attention = sum(q * c for q, c in zip(query_lens[nd:], context_lens[nd:]))
     distinct = 0
     if step.num_decodes:  # (decode rows come first) distinct blocks they read, the padding block aside
         blocks = torch.unique(step.block_tables[0][: step.num_decodes].cpu())

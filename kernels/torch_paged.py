@@ -21,12 +21,11 @@ class TorchPagedAttention:
     static_steps = True  # works on StepInputs.static steps (CUDA graphs)
 
     def __init__(self, rowwise: bool = False):
-        self.rowwise = rowwise
         self.batch_invariant = rowwise
         """Whether each row's output is independent of the rest of the batch (see `AttentionBackend`)."""
 
-    def prepare(self, step: StepInputs) -> "_TorchStep":
-        return _RowStep(step) if self.rowwise else _TorchStep(step)
+    def prepare(self, step: StepInputs) -> "_TorchStep | _RowStep":
+        return _RowStep(step) if self.batch_invariant else _TorchStep(step)
 
 
 class _TorchStep:
@@ -35,12 +34,9 @@ class _TorchStep:
     def __init__(self, step: StepInputs):
         self.keys, self.values = step.keys, step.values
         self.group_of_layer = step.group_of_layer
-        bs = self.block_size = step.block_size
-        device = step.positions.device
-        ctx = step.context_tensor
+        self.block_size = step.block_size
         nd = self.nd = step.num_decodes
         self.T = sum(step.query_lens)
-        tables = step.block_tables
         self.write_slots = step.write_slots
         self._masks: dict[tuple[str, int | None], torch.Tensor] = {}
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
