@@ -14,7 +14,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     engine = Engine.from_pretrained(args.model, config=EngineConfig(
         max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, speculative_tokens=args.speculative_tokens,
-        scheduler=args.scheduler, eviction=args.eviction))
+        weights=args.weights, scheduler=args.scheduler, eviction=args.eviction))
     tok = engine.tokenizer
     prompt: str | list[int] = args.prompt
     if not args.raw and tok is not None and tok.chat_template:
@@ -47,9 +47,11 @@ def _policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eviction", default="mru", help="a registered eviction policy (see `jitney plugins`)")
 
 
-def _speculation_argument(parser: argparse.ArgumentParser) -> None:
+def _cpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-tokens", type=int, default=None,
                         help="tokens an int8 draft proposes per greedy decode on CPU (default 4 where it applies; 0: off)")
+    parser.add_argument("--weights", default=None, choices=["int8"],
+                        help="int8: the linear layers through int8 copies of their weights (CPU; EngineConfig.weights)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -57,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     fields = dict(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
                   cpu_offload_space=args.cpu_offload_space, speculative_tokens=args.speculative_tokens,
-                  scheduler=args.scheduler, eviction=args.eviction)
+                  weights=args.weights, scheduler=args.scheduler, eviction=args.eviction)
     EngineConfig(**fields)  # (a bad value is refused here, before any replica starts)
     if args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
@@ -102,6 +104,8 @@ _TOOLS = {
     "calibrate": ("jitney.bench.profile", "time real steps on this machine and fit the step-time profile that "
                                           "`jitney simulate` uses (or --analytic, from hardware figures)"),
     "trace": ("jitney.bench.traces", "generate a request trace (JSONL) of a realistic shape"),
+    "quality": ("jitney.bench.quality", "perplexity on held-out text through the engine's kernels, fp32 against int8 "
+                                        "weights, and how often their most likely tokens agree"),
 }
 """Subcommands whose module has `add_arguments(parser)` and `main(args)`."""
 
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-batch-tokens", type=int, default=256)
     gen.add_argument("--num-blocks", type=int, default=256)
-    _speculation_argument(gen)
+    _cpu_arguments(gen)
     _policy_arguments(gen)
     gen.set_defaults(func=_generate)
 
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="how requests are placed on replicas: a registered router (see `jitney plugins`)")
     srv.add_argument("--address", default=None,
                      help="join this Ray cluster (auto, ray://host:port) instead of starting a local Ray")
-    _speculation_argument(srv)
+    _cpu_arguments(srv)
     _policy_arguments(srv)
     srv.set_defaults(func=_serve)
 

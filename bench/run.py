@@ -14,7 +14,7 @@ import anyio
 import torch
 
 from jitney.bench.stats import StepStats, percentile_ms
-from jitney.bench.workloads import WORKLOADS, Workload, long_prompt
+from jitney.bench.workloads import MODEL_SHAPES, WORKLOADS, Workload, long_prompt, shaped_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,14 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeline", default=None, metavar="FILE.png",
                         help="draw each jitney run's schedule (the mode appended to the name when several)")
     parser.add_argument("--trace", default=None, help="replay a JSONL trace instead, arrivals honoured (jitney modes only)")
-    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--model", default="smollm2",
+                        help=f'a checkpoint directory, "smollm2", or a shape with random weights: {", ".join(MODEL_SHAPES)}')
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="convert the model to this dtype after loading (every mode runs the converted model)")
     parser.add_argument("--tokens", dest="tokens_path", default=None,
                         help="also write each mode's generated tokens to this JSON file (to compare runs, e.g. dtypes)")
     parser.add_argument("--modes", default="jitney,hf-cb,hf-static",
                         help="comma-separated: jitney, jitney-nocache (prefix caching off), jitney-nospec "
-                             "(speculative decoding off), hf-cb (transformers continuous batching), hf-static "
+                             "(speculative decoding off), jitney-int8 (int8 weights), hf-cb (transformers continuous batching), hf-static "
                              "(transformers generate), llama-cpp / llama-cpp-q4 (llama.cpp on the same weights in F32 "
                              "/ the embedded Q4_1; `make bench-peers`)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies: one jitney run each")
@@ -40,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", default=None, help="jitney's attention backend (default: by device)")
     parser.add_argument("--safety-margin", type=float, default=None, help="jitney's safety margin (default: the scheduler's)")
     parser.add_argument("--cpu-offload-space", type=float, default=0.0, help="GiB of swap pool for jitney (0: soft reset only)")
+    parser.add_argument("--speculative-tokens", type=int, default=None,
+                        help="jitney's EngineConfig.speculative_tokens (default: the engine's; jitney-nospec: 0)")
     parser.add_argument("--async-batching", action="store_true",
                         help="jitney launches each decode step before handing out the previous one's tokens")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
@@ -140,6 +143,8 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
                   attention_backend=attention or args.attention)
     if getattr(args, "async_batching", False):
         fields["use_async_batching"] = True
+    if getattr(args, "speculative_tokens", None) is not None:
+        fields["speculative_tokens"] = args.speculative_tokens
     config = EngineConfig(**{**fields, **config_fields})
     stats = StepStats()
     plugins: list = [stats]
@@ -242,6 +247,8 @@ def runs(args) -> list[tuple[str, Callable]]:
             out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, sharing=False)))
         elif mode == "jitney-nospec":
             out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, speculative_tokens=0)))
+        elif mode == "jitney-int8":
+            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, weights="int8")))
         elif mode in ("hf-cb", "hf-static"):
             out.append((mode, run_hf_cb if mode == "hf-cb" else run_hf_static))
         elif mode in ("llama-cpp", "llama-cpp-q4"):
@@ -254,6 +261,13 @@ def runs(args) -> list[tuple[str, Callable]]:
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Share of requests whose greedy tokens are identical."""
     return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+def prefix_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of `b`'s tokens that `a` matches before each request's first difference (after it, greedy outputs
+    follow different texts and are not comparable)."""
+    same = sum(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q))) for p, q in zip(a, b))
+    return same / max(1, sum(len(q) for q in b))
 
 
 def print_report(report: dict, json_path: str | None) -> int:
@@ -271,7 +285,10 @@ def main(args) -> int:
     from jitney.core.models import load_model
 
     torch.manual_seed(0)
-    model, tokenizer = load_model(args.model)
+    if args.model in MODEL_SHAPES:
+        model, tokenizer = shaped_model(args.model), None
+    else:
+        model, tokenizer = load_model(args.model)
     dtype = getattr(args, "dtype", "float32")
     if dtype != "float32":
         model = model.to(getattr(torch, dtype))
@@ -293,6 +310,8 @@ def main(args) -> int:
     elif args.workload == "long-prompt":
         work = long_prompt(vocab, args.max_batch_tokens)
     elif args.workload in ("single-chat", "chat-4"):
+        if tokenizer is None:
+            raise ValueError(f"the {args.workload} workload needs a tokenizer (its prompts are text): {args.model} has none")
         work = WORKLOADS[args.workload](tokenizer)
     else:
         work = WORKLOADS[args.workload](vocab)
@@ -340,6 +359,7 @@ def main(args) -> int:
         if len(work) == 1:  # one stream: bound by reading the weights each token, not by the matmuls
             row["weight_read_share"] = round(row["output_tok_s"] / weight_limit, 3)
         row["same_tokens_as_first"] = agreement(outputs[row["mode"]], base)
+        row["same_prefix_as_first"] = round(prefix_agreement(outputs[row["mode"]], base), 4)
         for hf in ("hf-cb", "hf-static"):
             other = next((r for r in rows if r["mode"] == hf), None)
             if other is not None and row is not other:
@@ -354,9 +374,13 @@ def main(args) -> int:
         print(f"{row['mode']:<14} {row['wall_s']:>7.1f} {row['output_tok_s']:>9.1f} {cb:>8} {static:>9} "
               f"{row['roofline_share']:>8.0%} {hit:>8} {computed:>15} {itl:>10} {preempted:>9} "
               f"{row['same_tokens_as_first']:>11.0%} {row['peak_rss_mib']:>12}")
+    for row in rows:
+        if row["same_tokens_as_first"] < 1:
+            print(f"{row['mode']}: {row['same_tokens_as_first']:.1%} of the requests' tokens identical to "
+                  f"{rows[0]['mode']}'s, {row['same_prefix_as_first']:.1%} of the tokens before each one's first difference")
     if len(work) == 1:
-        print("one stream, share of the weight-read limit (one token a pass over the weights; speculative steps "
-              "take several): " + ", ".join(f"{row['mode']} {row['weight_read_share']:.0%}" for row in rows))
+        print("one stream, share of the fp32 weight-read limit (one token a pass over the fp32 weights; speculative "
+              "steps take several, int8 and 4-bit weights read less): " + ", ".join(f"{row['mode']} {row['weight_read_share']:.0%}" for row in rows))
     for row in rows:
         if row.get("draft_tokens"):
             print(f"{row['mode']}: {row['speculative_steps']} speculative steps of {row['steps']}, "

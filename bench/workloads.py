@@ -7,15 +7,26 @@ import random
 Workload = list[tuple[list[int], int]]
 
 
-def mixed_64(vocab_size: int) -> Workload:
+def mixed_64(vocab_size: int, count: int = 64) -> Workload:
     """64 requests, prompts and outputs of 16-256 tokens (DESIGN.md's reference workload)."""
     lengths = random.Random(1234)
     sizes = []
-    for _ in range(64):
+    for _ in range(count):
         prompt_len = lengths.randint(16, 256)
         sizes.append((prompt_len, lengths.randint(16, 256)))
     ids = random.Random(5678)
     return [([ids.randrange(100, vocab_size) for _ in range(p)], n) for p, n in sizes]
+
+
+def mixed_16(vocab_size: int) -> Workload:
+    """mixed-64's first 16 requests (for models too large to batch 64 of on a small machine in good time)."""
+    return mixed_64(vocab_size, 16)
+
+
+def long_context(vocab_size: int) -> Workload:
+    """8 prompts of 4096 tokens, 256 new tokens each: prefill and decode attention over long contexts."""
+    rng = random.Random(4096)
+    return [([rng.randrange(100, vocab_size) for _ in range(4096)], 256) for _ in range(8)]
 
 
 def long_prompt(vocab_size: int, max_batch_tokens: int = 256) -> Workload:
@@ -92,6 +103,23 @@ def chat_4(tokenizer) -> Workload:
 # (single-chat and chat-4 take the tokenizer, the others the vocabulary size)
 WORKLOADS = {
     "single-stream": single_stream, "single-chat": single_chat, "chat-4": chat_4,
-    "mixed-64": mixed_64, "long-prompt": long_prompt, "shared-prefix": shared_prefix, "multi-prefix": multi_prefix,
+    "mixed-64": mixed_64, "mixed-16": mixed_16, "long-context": long_context, "long-prompt": long_prompt, "shared-prefix": shared_prefix, "multi-prefix": multi_prefix,
     "sharegpt-like": sharegpt_like,
 }
+
+
+MODEL_SHAPES = {
+    "tinyllama-1.1b-random": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                                  intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048),
+}
+"""Models benchmarked by their shape (random weights, fp32; `jitney bench --model NAME`): TinyLlama-1.1B's."""
+
+
+def shaped_model(name: str):
+    """A Llama of the shape `MODEL_SHAPES[name]`, random weights (seeded), no tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**MODEL_SHAPES[name], bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()

@@ -101,24 +101,43 @@ def enter_cpu_paths(cfg: EngineConfig, model) -> list:
     """Packed linears and fused decoder layers, where configured and possible (see `EngineConfig`), entered;
     the caller exits them in reverse order. If one fails to enter, those already entered are exited."""
     on_cpu = next(model.parameters()).device.type == "cpu"
+    int8 = cfg.weights == "int8"
     pack = cfg.pack_cpu_weights
     if pack is None:
-        pack = on_cpu and (native.available() if cfg.batch_invariant else cpu_linear.available())
+        pack = on_cpu and (native.available() if cfg.batch_invariant or int8 else cpu_linear.available())
     fuse = cfg.fuse_cpu_layers
     if fuse is None:
         fuse = pack and native.available()
+    if int8:
+        check_int8(model, pack)
     paths: list = []
     try:
         if fuse:
-            paths.append(cpu_layers.FusedLayers(model).__enter__())
+            paths.append(cpu_layers.FusedLayers(model, int8=int8).__enter__())
         if pack:
             skip = paths[0].linears if fuse else frozenset()
-            paths.append(cpu_linear.PackedLinears(model, skip=skip, widen=cfg.batch_invariant).__enter__())
+            paths.append(cpu_linear.PackedLinears(model, skip=skip, widen=cfg.batch_invariant, int8=int8).__enter__())
     except BaseException:
         for path in reversed(paths):
             path.__exit__(None, None, None)
         raise
     return paths
+
+
+def check_int8(model, pack: bool) -> None:
+    """A `ValueError` saying why `EngineConfig.weights="int8"` cannot serve `model`, if it cannot."""
+    param = next(model.parameters())
+    why = None
+    if param.device.type != "cpu":
+        why = f"it is implemented on CPU only (the model is on {param.device.type})"
+    elif not native.available():
+        why = "jitney's C++ kernels do not build here"
+    elif not pack:
+        why = "pack_cpu_weights=False leaves the linear layers to torch"
+    elif not any(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 for m in model.modules()):
+        why = f"the model has no fp32 linear layers (its weights are {param.dtype}: load it in fp32)"
+    if why:
+        raise ValueError(f"EngineConfig.weights='int8': {why}")
 
 
 def layer_groups(mc) -> list[LayerGroup]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -81,6 +81,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     an fp32 copy of their weights (twice the bf16 weights' memory). Costs: docs/reliability.md. Needs a CPU model,
     the C++ kernels, and an attention backend that declares `batch_invariant`; otherwise a `ValueError` at start-up."""
 
+    weights: Literal["int8"] | None = None
+    """`None`: the model's weights as loaded. `"int8"`: on CPU, every fp32 linear layer (the LM head included)
+    computes through a copy of its weights rounded to int8, each output feature on its own scale (its largest
+    magnitude / 127), with fp32 rows and fp32 sums (`kernels/cpu_linear.PanelLinear(int8=True)`): a quarter of the
+    bytes a step reads, so steps of a few rows, bound by reading the weights, run faster (SmolLM2 on the 2-core
+    machine: docs/benchmarks.md); steps of many rows compute as much as in fp32. Tokens differ from fp32 now and
+    then (measured in docs/benchmarks.md); deterministic and batch-invariant like fp32. Needs an fp32 model on the
+    CPU and jitney's C++ kernels (a `ValueError` at start-up otherwise); the engine's model keeps its own weights,
+    the int8 copies live while the engine runs. Speculation is off by default (the draft would be the model itself)."""
+
     check_model: bool = True
     """When the engine is entered, run a few positions through the model's own attention and through the path
     that will serve it, and refuse the model (`selfcheck.UnfaithfulModel`, naming the class and the reason)
@@ -92,8 +102,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     an int8 copy of the model proposes this many tokens after each greedy decode, and one pass of the model
     checks them all; a request gets the model's own tokens up to the first it disagrees with, the same tokens
     as without. Where the one-call decoder runs (fused fp32 Llama-like models on CPU, every layer full attention)
-    and decode steps are not padded. `None`: 4, or 0 with async batching (speculative steps are not chained);
-    0: off. Costs an int8 copy of the weights (a quarter of their size)."""
+    and decode steps are not padded. `None`: 4, or 0 with async batching (speculative steps are not chained) or
+    int8 `weights` (the draft would be the model itself); 0: off. Costs an int8 copy of the weights (a quarter
+    of their size; none with int8 `weights`)."""
     speculative_max_rows: PositiveInt = 16
     """Speculate only in steps of at most this many rows, proposals included (with more requests decoding,
     fewer proposals each, and none below two each): a step of a few rows is bound by reading the weights,

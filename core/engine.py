@@ -108,7 +108,8 @@ class Engine:
         check = self.config.check_model
         if check:  # the model's own logits, before anything of jitney's is bound to it
             sequences = selfcheck.probe_tokens(self.vocab_size)
-            reference = self._forward.pool.submit(selfcheck.reference_logits, self.model, sequences).result()
+            reference = self._forward.pool.submit(selfcheck.reference_logits, self.model, sequences,
+                                                  self.config.weights == "int8").result()
         self._saved_attn = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_NAME)
         self._attn_bound = True
@@ -138,8 +139,8 @@ class Engine:
         if k and not able:
             log.warning("speculative_tokens=%d needs the CPU's one-call decoder (fused fp32 Llama-like layers, full "
                         "attention, jitney's C++ kernels) and unpadded decode steps: decoding without it", k)
-        if k is None:
-            k = 0 if self.async_batching else 4
+        if k is None:  # (with int8 weights the draft is the model itself: no faster, docs/benchmarks.md)
+            k = 0 if self.async_batching or self.config.weights == "int8" else 4
         return k if able else 0
 
     def on_forward_thread(self, fn):

@@ -4,6 +4,7 @@ A model jitney cannot run faithfully is refused when the engine is entered, neve
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from typing import TYPE_CHECKING
@@ -12,6 +13,7 @@ import torch
 
 from jitney.core.request import Request, SamplingParams
 from jitney.core.sequence import Sequence
+from jitney.kernels import cpu_linear
 
 if TYPE_CHECKING:
     from jitney.core.engine import Engine
@@ -32,11 +34,12 @@ def probe_tokens(vocab_size: int) -> list[list[int]]:
     return [[rng.randrange(min(3, vocab_size - 1), vocab_size) for _ in range(n + 1)] for n in PROMPT_LENGTHS]
 
 
-def reference_logits(model, sequences: list[list[int]]) -> list[torch.Tensor]:
+def reference_logits(model, sequences: list[list[int]], int8: bool = False) -> list[torch.Tensor]:
     """The model's own logits (its own attention, before the engine binds it) at each probe's last prompt token
-    and at its decoded token."""
+    and at its decoded token; `int8` (`EngineConfig.weights`): with each fp32 linear's weight rounded as the
+    served path's int8 copy is (`cpu_linear.Int8Reference`)."""
     rows = []
-    with torch.inference_mode():
+    with cpu_linear.Int8Reference(model) if int8 else contextlib.nullcontext(), torch.inference_mode():
         for seq in sequences:
             logits = model(input_ids=torch.tensor([seq], device=model.device), use_cache=False).logits[0]
             rows += [logits[-2].float(), logits[-1].float()]

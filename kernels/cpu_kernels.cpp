@@ -616,27 +616,32 @@ torch::Tensor pack_panels_gated(torch::Tensor gate, torch::Tensor up) {
   return out;
 }
 
-// The row blocks `ws` stacked as `pack_panels` does, each output feature rounded to int8 on its own scale (its
-// largest weight's magnitude / 127): [ceil(N / 16), K * 16 + 64] bytes, each panel's K * 16 weights followed by
-// its 16 fp32 scales. A quarter of the bytes, for a draft model whose tokens are only proposals.
-torch::Tensor pack_panels_int8(std::vector<torch::Tensor> ws) {
-  const auto [n, k] = stacked_shape(ws);
+// int8 weights laid out as `pack_panels` lays out fp32 ones: the row blocks `qs` ([N_i, K] int8 each) stacked,
+// `scales` [N] fp32 each output feature's scale (rounded in torch by `cpu_linear.int8_weights`): [ceil(N / 16),
+// K * 16 + 64] bytes, each panel's K * 16 weights followed by its 16 scales. A quarter of fp32's bytes.
+torch::Tensor pack_panels_int8(std::vector<torch::Tensor> qs, torch::Tensor scales) {
+  TORCH_CHECK(!qs.empty(), "pack_panels_int8: at least one weight");
+  const int64_t k = qs[0].size(1);
+  int64_t n = 0;
+  for (const auto& q : qs) {
+    TORCH_CHECK(q.dim() == 2 && q.size(1) == k && q.scalar_type() == torch::kChar && q.device().is_cpu(),
+                "pack_panels_int8: int8 weights [N, K], on the CPU");
+    n += q.size(0);
+  }
+  TORCH_CHECK(scales.dim() == 1 && scales.numel() == n && scales.scalar_type() == torch::kFloat && scales.is_contiguous(),
+              "pack_panels_int8: one fp32 scale per output feature");
   const int64_t width = k * PANEL + PANEL * 4;
   auto out = huge_page_tensor({(n + PANEL - 1) / PANEL, width}, torch::kChar);
   int8_t* op = out.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
   int64_t j = 0;  // output feature
-  for (const auto& block : ws) {
-    const auto w = block.contiguous();
-    const float* wp = w.data_ptr<float>();
-    for (int64_t i = 0; i < w.size(0); ++i, ++j) {
-      const float* row = wp + i * k;
-      float top = 0.f;
-      for (int64_t c = 0; c < k; ++c) top = std::max(top, std::abs(row[c]));
-      const float scale = top > 0.f ? top / 127.f : 1.f;
+  for (const auto& block : qs) {
+    const auto q = block.contiguous();
+    const int8_t* qp = q.data_ptr<int8_t>();
+    for (int64_t i = 0; i < q.size(0); ++i, ++j) {
       int8_t* panel = op + (j / PANEL) * width;
-      for (int64_t c = 0; c < k; ++c)
-        panel[c * PANEL + j % PANEL] = (int8_t)std::max(-127.f, std::min(127.f, std::nearbyint(row[c] / scale)));
-      std::memcpy(panel + k * PANEL + (j % PANEL) * 4, &scale, 4);
+      for (int64_t c = 0; c < k; ++c) panel[c * PANEL + j % PANEL] = qp[i * k + c];
+      std::memcpy(panel + k * PANEL + (j % PANEL) * 4, sp + j, 4);
     }
   }
   return out;
@@ -819,15 +824,80 @@ static inline void qpanel_tile_rows(int64_t rows, const float* xp, int64_t k, co
   }
 }
 
+#ifdef __AVX512F__
+// ROWS rows (one or two) x NP int8 panels on 512-bit vectors: each panel's 16 weights a column widened once,
+// ROWS * NP accumulator chains (enough to keep both FMA pipes busy at one row), the sums scaled at the end.
+// Each output sums the same products in the same order as the many-row path below, so that a row's outputs do
+// not depend on the rows computed with it.
+template <int ROWS, int NP>
+static inline void qpanel_few(const float* xp, int64_t k, const int8_t* panel, int64_t width, float* yp, int64_t ldy,
+                              int64_t n_left, const float* bias) {
+  v16 acc[ROWS][NP];
+  for (int r = 0; r < ROWS; ++r)
+    for (int q = 0; q < NP; ++q) acc[r][q] = v16{};
+  for (int64_t c = 0; c < k; ++c) {
+    v16 w[NP];
+    for (int q = 0; q < NP; ++q)
+      w[q] = (v16)_mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + q * width + c * PANEL))));
+    for (int r = 0; r < ROWS; ++r) {
+      const float s = xp[r * k + c];
+      for (int q = 0; q < NP; ++q) acc[r][q] += s * w[q];
+    }
+  }
+  for (int q = 0; q < NP; ++q) {
+    v16 scale;
+    std::memcpy(&scale, panel + q * width + k * PANEL, sizeof scale);
+    const int64_t cols = std::min(PANEL, n_left - q * PANEL);
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r][q] *= scale;
+      store_panel(reinterpret_cast<const v8*>(&acc[r][q]), yp + r * ldy + q * PANEL, cols, bias ? bias + q * PANEL : nullptr);
+    }
+  }
+}
+
+// `qpanel_few` over the panels [first, last) of `w`, NP at a time, for `rows` rows (1 to 6).
+template <int ROWS>
+static inline void qpanel_few_range(const float* xp, const Panels& w, int64_t first, int64_t last, float* yp) {
+  constexpr int NP = ROWS <= 2 ? 8 : 4;  // (accumulators and weights within the 32 registers)
+  const int64_t k = w.k, n = w.n, width = k * PANEL + PANEL * 4;
+  int64_t p = first;
+  for (; p + NP <= last; p += NP)
+    qpanel_few<ROWS, NP>(xp, k, w.q + p * width, width, yp + p * PANEL, n, n - p * PANEL, w.bias ? w.bias + p * PANEL : nullptr);
+  for (; p < last; ++p)
+    qpanel_few<ROWS, 1>(xp, k, w.q + p * width, width, yp + p * PANEL, n, n - p * PANEL, w.bias ? w.bias + p * PANEL : nullptr);
+}
+
+static inline void qpanel_few_rows(int64_t rows, const float* xp, const Panels& w, int64_t first, int64_t last, float* yp) {
+  switch (rows) {
+    case 6: qpanel_few_range<6>(xp, w, first, last, yp); break;
+    case 5: qpanel_few_range<5>(xp, w, first, last, yp); break;
+    case 4: qpanel_few_range<4>(xp, w, first, last, yp); break;
+    case 3: qpanel_few_range<3>(xp, w, first, last, yp); break;
+    case 2: qpanel_few_range<2>(xp, w, first, last, yp); break;
+    default: qpanel_few_range<1>(xp, w, first, last, yp); break;
+  }
+}
+#endif
+
 // `panel_rows` over int8 panels: rows in tiles of up to four, panels in pairs (two streams for the prefetcher).
 // (A single row through four panels at once read 17.6-22.2 against 15.9-17.5 GB/s alone over 134 MB, but the
 // draft's whole pass took the same 9.6-9.7 ms.)
 static void qpanel_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small) {
+  constexpr int64_t FEW_ROWS = 12;
   constexpr int64_t TILE = 4;
   const int64_t k = w.k, n = w.n, width = k * PANEL + PANEL * 4;
   const int64_t panels = (n + PANEL - 1) / PANEL;
 #ifdef __AVX512F__
-  if (m > 2) {
+  if (m <= FEW_ROWS) {
+    constexpr int64_t GROUP = 8;  // panels a task (a multiple of the tiles' NP)
+    parallel((panels + GROUP - 1) / GROUP, 1, small, [&](int64_t begin, int64_t end) {
+      const int64_t first = begin * GROUP, last = std::min(panels, end * GROUP);
+      for (int64_t r = 0; r < m; r += 6) qpanel_few_rows(std::min<int64_t>(6, m - r), xp + r * k, w, first, last, yp + r * n);
+    });
+    return;
+  }
+  {
     // Each pair of panels widened to fp32 once (into this thread's buffer, in L2), then every row through the
     // fp32 `panel_tile16`s, the sums scaled at the end as below (the same products summed in the same order).
     // Widened again for every tile of four rows on 8-wide vectors, a draft pass of 15 rows took longer than

@@ -12,7 +12,10 @@ runs (SmolLM2: +0.5 GB) and differs from `F.linear` by float rounding only.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from jitney.kernels import native
@@ -29,12 +32,17 @@ class PackedLinears:
     `widen` (`EngineConfig.batch_invariant`): bf16 and fp16 linears too, through `PanelLinear` over an fp32 copy of
     their weights, rows cast to fp32 and the outputs back. torch's bf16 matmul sums a row's products in an order that
     depends on the number of rows (a row's output differed by up to 4e-3 alone vs in a batch); the panel kernel
-    sums every row the same way."""
+    sums every row the same way.
 
-    def __init__(self, model: nn.Module, skip: set[nn.Module] | frozenset = frozenset(), widen: bool = False):
+    `int8` (`EngineConfig.weights="int8"`): the fp32 linears through int8 copies of their weights
+    (`PanelLinear(int8=True)`)."""
+
+    def __init__(self, model: nn.Module, skip: set[nn.Module] | frozenset = frozenset(), widen: bool = False,
+                 int8: bool = False):
         self.model = model
         self.skip = skip
         self.widen = widen
+        self.int8 = int8
         self.patched: list[nn.Linear] = []
 
     def __enter__(self) -> "PackedLinears":
@@ -43,7 +51,9 @@ class PackedLinears:
             w = module.weight if isinstance(module, nn.Linear) else None
             if w is None or w.dtype not in kinds or w.device.type != "cpu" or module in self.skip:
                 continue
-            if w.dtype == torch.float32:
+            if w.dtype == torch.float32 and self.int8:
+                module.forward = PanelLinear([w.detach()], module.bias, int8=True)
+            elif w.dtype == torch.float32:
                 module.forward = packed_linear([w.detach()], module.bias)
             else:
                 module.forward = _widened(PanelLinear([w.detach().float()], None if module.bias is None else module.bias.float()))
@@ -61,12 +71,19 @@ class PanelLinear:
     projections), through one packed copy (`packed`, made here; the weights themselves are not kept).
 
     `gated`: `weights` are a gated MLP's gate and up projections ([I, K] each, I a multiple of 16, `bias` theirs
-    stacked) and the layer computes silu(x @ gate.T) * (x @ up.T) [.., I] in one pass (`pack_panels_gated`)."""
+    stacked) and the layer computes silu(x @ gate.T) * (x @ up.T) [.., I] in one pass (`pack_panels_gated`).
+    `int8`: the packed copy holds each output feature's weights rounded to int8 on its own scale (its largest
+    magnitude / 127; `int8_weights`), a quarter of the bytes; rows and sums stay fp32. Not with `gated`."""
 
-    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, gated: bool = False):
+    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, gated: bool = False, int8: bool = False):
+        if gated and int8:
+            raise ValueError("PanelLinear: int8 weights are not packed gated (stack gate and up instead)")
         kernels = native.load()
         self.gated = gated
-        self.packed = kernels.pack_panels_gated(*weights) if gated else kernels.pack_panels(weights)
+        if int8:
+            self.packed = pack_int8(weights)
+        else:
+            self.packed = kernels.pack_panels_gated(*weights) if gated else kernels.pack_panels(weights)
         self.width = sum(w.shape[0] for w in weights)  # the kernel's outputs before gating
         self.out_features = self.width // 2 if gated else self.width
         if bias is not None and gated:  # in the panels' order: gate's 16 features, then up's 16, ...
@@ -79,6 +96,48 @@ class PanelLinear:
         if not flat.is_contiguous():
             flat = flat.contiguous()
         return self._kernel(flat, self.packed, self.width, self.bias, self.gated).view(*x.shape[:-1], self.out_features)
+
+
+def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` [N, K] (fp32) rounded to int8 [N, K], each output feature on its own scale (its largest magnitude
+    / 127; 1 for an all-zero one), and those scales [N] fp32."""
+    top = weight.abs().amax(1, keepdim=True)
+    scale = torch.where(top > 0, top / 127, torch.ones_like(top))
+    return (weight / scale).round().clamp(-127, 127).to(torch.int8), scale.reshape(-1).contiguous()
+
+
+def pack_int8(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The row blocks `weights` stacked and rounded (`int8_weights`), packed for `panel_linear`."""
+    rounded = [int8_weights(w.detach().float()) for w in weights]
+    return native.load().pack_panels_int8([q for q, _ in rounded], torch.cat([s for _, s in rounded]))
+
+
+def int8_rounded(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as an int8 `PanelLinear` computes with it: rounded (`int8_weights`) and scaled back."""
+    q, scale = int8_weights(weight)
+    return q.float() * scale[:, None]
+
+
+class Int8Reference:
+    """While entered, every fp32 `nn.Linear` of `model` computes through `F.linear` with its weight as the int8
+    path rounds it (`int8_rounded`): torch's reference for `EngineConfig.weights="int8"` (the start-up check's,
+    the tests'). Forwards are patched, not weights (a tied embedding shares the LM head's weight)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.patched: list[nn.Linear] = []
+
+    def __enter__(self) -> "Int8Reference":
+        for m in self.model.modules():
+            if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32:  # (what `PackedLinears` packs)
+                m.forward = functools.partial(F.linear, weight=int8_rounded(m.weight.detach()), bias=m.bias)
+                self.patched.append(m)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for m in self.patched:
+            del m.forward
+        self.patched = []
 
 
 def _widened(linear: PanelLinear):

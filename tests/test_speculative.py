@@ -13,7 +13,7 @@ from support import random_requests, reference, tiny_llama, tiny_mistral, tiny_q
 from jitney import Engine, EngineConfig, Request, SamplingParams
 from jitney.core import events as ev
 from jitney.core.hooks import hookimpl
-from jitney.kernels import native
+from jitney.kernels import cpu_linear, native
 
 
 class Steps:
@@ -119,19 +119,25 @@ def test_int8_panels_match_the_rounded_weights():
     kernels = native.load()
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(300, 70, generator=g), torch.randn(300, generator=g)
+    w[7] = 0  # (an all-zero feature: scale 1)
     scale = w.abs().amax(1, keepdim=True) / 127
-    rounded = (w / scale).round().clamp(-127, 127) * scale
-    packed = kernels.pack_panels_int8([w[:100], w[100:]])
+    rounded = (w / torch.where(scale > 0, scale, 1)).round().clamp(-127, 127) * torch.where(scale > 0, scale, 1)
+    assert torch.equal(cpu_linear.int8_rounded(w), rounded)
+    packed = cpu_linear.pack_int8([w[:100], w[100:]])
     assert packed.dtype == torch.int8 and packed.shape == (19, 70 * 16 + 64)
-    for rows in (1, 2, 5, 9):
+    for rows in (1, 2, 5, 9, 13, 40):
         x = torch.randn(rows, 70, generator=g)
-        # within one rounding step of a weight here and there (a division rounded differently under fast-math)
-        torch.testing.assert_close(kernels.panel_linear(x, packed, 300, b), x @ rounded.T + b, atol=0.05, rtol=1e-4)
-    # three rows or more widen the weights once for all of them (two or fewer: as they are loaded); each row's
-    # outputs are the same either way
+        torch.testing.assert_close(kernels.panel_linear(x, packed, 300, b), x @ rounded.T + b, atol=1e-5, rtol=1e-5)
+    # up to 12 rows go through tiles of up to six rows, more widen the weights once for all of them; each row's
+    # outputs are the same whatever the rows computed with it
     x = torch.randn(27, 70, generator=g)
     alone = torch.cat([kernels.panel_linear(x[i : i + 1].contiguous(), packed, 300, b) for i in range(27)])
-    assert torch.equal(kernels.panel_linear(x, packed, 300, b), alone)
+    for rows in (2, 3, 7, 12, 13, 27):
+        assert torch.equal(kernels.panel_linear(x[:rows].contiguous(), packed, 300, b), alone[:rows])
+    with pytest.raises(RuntimeError, match="one fp32 scale per output feature"):
+        kernels.pack_panels_int8([torch.zeros(4, 8, dtype=torch.int8)], torch.ones(3))
+    with pytest.raises(RuntimeError, match="int8 weights"):
+        kernels.pack_panels_int8([torch.zeros(4, 8)], torch.ones(4))
 
 
 async def test_speculation_and_async_batching_together(llama):

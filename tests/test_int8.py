@@ -1,0 +1,93 @@
+"""int8 weights (`EngineConfig(weights="int8")`): greedy tokens are `generate`'s with every linear's weight rounded
+as the int8 path rounds it (so the int8 kernels add only float rounding), deterministic and batch-invariant; the
+int8 model is refused where it cannot run, and speculation still gives its own tokens."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+import transformers as T
+from support import random_requests, reference, scaled_tiny
+
+from jitney import Engine, EngineConfig, Request, SamplingParams
+from jitney.kernels import cpu_linear, native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="int8 weights need jitney's C++ kernels")
+
+MODELS = {  # (scaled: the rounding of the weights changes tokens, so the test tells int8 from fp32)
+    "llama": lambda: scaled_tiny(T.LlamaConfig, T.LlamaForCausalLM, num_key_value_heads=2),  # the one-call decoder
+    "qwen2 biases": lambda: scaled_tiny(T.Qwen2Config, T.Qwen2ForCausalLM, num_key_value_heads=2, vary_vectors=True),
+    "mistral window": lambda: scaled_tiny(T.MistralConfig, T.MistralForCausalLM, num_key_value_heads=1, sliding_window=8),
+    "phi3": lambda: scaled_tiny(T.Phi3Config, T.Phi3ForCausalLM, num_key_value_heads=2),  # packed linears, torch layers
+}
+
+
+async def run(model, work, **config) -> list[list[int]]:
+    out: dict[int, list[int]] = {}
+    config = {"weights": "int8", "max_batch_tokens": 16, "block_size": 4, **config}
+    async with Engine(model, config=EngineConfig(**config)) as engine:
+        async def one(i: int) -> None:
+            prompt, n = work[i]
+            out[i] = (await engine.generate(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)))).token_ids
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(work)):
+                tg.start_soon(one, i)
+    return [out[i] for i in range(len(work))]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+async def test_int8_tokens_are_generates_with_the_rounded_weights(name):
+    model = MODELS[name]()
+    work = random_requests(8, model.config.vocab_size, max_prompt=40, max_new=20, seed=3)
+    fp32 = [reference(model, p, n) for p, n in work]
+    with cpu_linear.Int8Reference(model):
+        rounded = [reference(model, p, n) for p, n in work]
+    assert rounded != fp32, "the workload should tell int8 from fp32 weights"
+    assert await run(model, work) == rounded
+    # the model's own weights are untouched
+    assert [reference(model, p, n) for p, n in work] == fp32
+
+
+async def test_int8_is_batch_invariant_and_deterministic():
+    model = MODELS["llama"]()
+    work = random_requests(6, model.config.vocab_size, max_prompt=40, max_new=16, seed=5)
+    together = await run(model, work)
+    alone = [(await run(model, [w]))[0] for w in work]
+    assert together == alone
+    assert await run(model, work, max_batch_tokens=5) == together  # prompts chunked differently
+
+
+async def test_int8_speculation_gives_the_same_tokens():
+    model = MODELS["llama"]()
+    work = random_requests(3, model.config.vocab_size, max_prompt=20, max_new=24, seed=9)
+    async with Engine(model, config=EngineConfig(weights="int8")) as engine:
+        assert engine.speculate == 0  # off by default: the draft would be the model itself
+    assert await run(model, work, speculative_tokens=3) == await run(model, work)
+
+
+async def test_int8_is_refused_where_it_cannot_run():
+    model = MODELS["llama"]()
+    with pytest.raises(ValueError, match="pack_cpu_weights=False"):
+        async with Engine(model, config=EngineConfig(weights="int8", pack_cpu_weights=False)):
+            pass
+    half = MODELS["llama"]().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="no fp32 linear layers"):
+        async with Engine(half, config=EngineConfig(weights="int8")):
+            pass
+    with pytest.raises(ValueError, match="weights"):
+        EngineConfig(weights="int4")
+    # refused at entry, nothing stays bound: the model serves again afterwards
+    async with Engine(model, config=EngineConfig(weights="int8")) as engine:
+        assert (await engine.generate(Request([5, 6, 7], SamplingParams(max_new_tokens=3)))).token_ids
+
+
+def test_int8_linear_matches_its_reference():
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    linear = cpu_linear.PanelLinear([w[:8], w[8:]], b, int8=True)
+    x = torch.randn(3, 5, 24, generator=g)
+    torch.testing.assert_close(linear(x), x @ cpu_linear.int8_rounded(w).T + b, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="gated"):
+        cpu_linear.PanelLinear([w[:16], w[16:32]], None, gated=True, int8=True)
