@@ -1,6 +1,7 @@
 """`jitney quality`: what a weight format costs in quality, measured. Perplexity of a model on held-out English
-text through the engine's own linear kernels, fp32 and int8 (`EngineConfig.weights`), and how often int8's
-most likely next token is fp32's (teacher-forced, every position).
+text through the engine's own linear kernels, fp32 against int8 weights and int8 weights and activations
+(`EngineConfig.weights`), and how often each one's most likely next token is fp32's (teacher-forced, every
+position).
 
 The text is one every Python installation ships: the topics of the language reference that `help()` shows
 (`pydoc_data.topics`), in sorted order, a blank line between them. Nothing in jitney is fitted to it (int8
@@ -15,12 +16,12 @@ import time
 
 import torch
 
-WEIGHTS = ("fp32", "int8")
+WEIGHTS = ("fp32", "int8", "w8a8")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help='a local checkpoint directory, or "smollm2" (default)')
-    parser.add_argument("--weights", default="fp32,int8", help="comma-separated: fp32, int8 (the first is the baseline)")
+    parser.add_argument("--weights", default="fp32,int8", help="comma-separated: fp32, int8, w8a8 (the first is the baseline)")
     parser.add_argument("--tokens", type=int, default=32768, help="tokens of the text to score (its start)")
     parser.add_argument("--window", type=int, default=1024, help="tokens a forward pass sees (windows do not overlap)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this file")
@@ -58,8 +59,8 @@ def main(args: argparse.Namespace) -> int:
     for kind in kinds:
         if kind not in WEIGHTS:
             raise ValueError(f"--weights: unknown {kind!r} (known: {', '.join(WEIGHTS)})")
-    if "int8" in kinds and not native.available():
-        raise ValueError("int8 weights need jitney's C++ kernels, which do not build here")
+    if set(kinds) - {"fp32"} and not native.available():
+        raise ValueError("int8 and w8a8 weights need jitney's C++ kernels, which do not build here")
     if args.tokens < 2 or args.window < 2:
         raise ValueError("--tokens and --window must be at least 2")
     model, tokenizer = load_model(args.model)
@@ -70,7 +71,8 @@ def main(args: argparse.Namespace) -> int:
     rows, base = [], None
     for kind in kinds:
         t = time.perf_counter()
-        with cpu_linear.PackedLinears(model, int8=kind == "int8"):  # (the engine's kernels, fp32 too)
+        quantized = None if kind == "fp32" else kind
+        with cpu_linear.PackedLinears(model, quantized=quantized):  # (the engine's kernels, fp32 too)
             nll, best = score(model, ids, args.window)
         row = {"weights": kind, "perplexity": round(math.exp(nll), 4), "seconds": round(time.perf_counter() - t, 1)}
         if base is None:

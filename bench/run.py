@@ -14,11 +14,11 @@ import anyio
 import torch
 
 from jitney.bench.stats import StepStats, percentile_ms
-from jitney.bench.workloads import MODEL_SHAPES, WORKLOADS, Workload, long_prompt, shaped_model
+from jitney.bench.workloads import ARRIVING, MODEL_SHAPES, WORKLOADS, Workload, long_prompt, shaped_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", default="mixed-64", choices=sorted(WORKLOADS))
+    parser.add_argument("--workload", default="mixed-64", choices=sorted([*WORKLOADS, *ARRIVING]))
     parser.add_argument("--timeline", default=None, metavar="FILE.png",
                         help="draw each jitney run's schedule (the mode appended to the name when several)")
     parser.add_argument("--trace", default=None, help="replay a JSONL trace instead, arrivals honoured (jitney modes only)")
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write each mode's generated tokens to this JSON file (to compare runs, e.g. dtypes)")
     parser.add_argument("--modes", default="jitney,hf-cb,hf-static",
                         help="comma-separated: jitney, jitney-nocache (prefix caching off), jitney-nospec "
-                             "(speculative decoding off), jitney-int8 (int8 weights), hf-cb (transformers continuous batching), hf-static "
+                             "(speculative decoding off), jitney-int8 / jitney-w8a8 (int8 weights / and activations), hf-cb (transformers continuous batching), hf-static "
                              "(transformers generate), llama-cpp / llama-cpp-q4 (llama.cpp on the same weights in F32 "
                              "/ the embedded Q4_1; `make bench-peers`)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies: one jitney run each")
@@ -178,10 +178,14 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
                     out[i].append(tok.token_id)
                     last = now
 
+            decoder = engine.executor.decoder  # (the one-call decoder times its attention)
+            attention = decoder.native.attention_seconds if decoder is not None else None
             async with anyio.create_task_group() as tg:
                 for i in range(len(work)):
                     tg.start_soon(one, i)
             serving = time.perf_counter() - t0
+            if decoder is not None:
+                stats.attention_s = decoder.native.attention_seconds - attention
 
     anyio.run(main)
     if getattr(args, "timeline", None):
@@ -247,8 +251,8 @@ def runs(args) -> list[tuple[str, Callable]]:
             out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, sharing=False)))
         elif mode == "jitney-nospec":
             out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, speculative_tokens=0)))
-        elif mode == "jitney-int8":
-            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, weights="int8")))
+        elif mode in ("jitney-int8", "jitney-w8a8"):
+            out.append((mode, lambda m, t, w, a, q=mode[7:]: run_jitney(m, t, w, a, weights=q)))
         elif mode in ("hf-cb", "hf-static"):
             out.append((mode, run_hf_cb if mode == "hf-cb" else run_hf_static))
         elif mode in ("llama-cpp", "llama-cpp-q4"):
@@ -309,6 +313,10 @@ def main(args) -> int:
         args.workload = args.trace
     elif args.workload == "long-prompt":
         work = long_prompt(vocab, args.max_batch_tokens)
+    elif args.workload in ARRIVING:
+        if any(not m.startswith("jitney") for m in args.modes.split(",")):
+            raise ValueError(f"{args.workload} has arrival times: jitney's modes only (transformers' take none)")
+        work, args.arrivals = ARRIVING[args.workload](vocab)
     elif args.workload in ("single-chat", "chat-4"):
         if tokenizer is None:
             raise ValueError(f"the {args.workload} workload needs a tokenizer (its prompts are text): {args.model} has none")
@@ -345,6 +353,8 @@ def main(args) -> int:
                     "kv_unused_share": round(1 - stats.slots_used / max(1, stats.slots_allocated), 4),
                     "speculative_steps": stats.speculative_steps, "draft_tokens": stats.drafted,
                     "draft_accepted_share": round(stats.accepted / max(1, stats.drafted), 3)}
+            if stats.attention_s is not None:  # (draft passes included)
+                row["attention_share"] = round(stats.attention_s / wall, 3)
         rows.append(row)
         print(f"  {label}: {wall:.1f} s (+{startup:.1f} s start-up)", flush=True)
     # This machine's speed drifts: probe again and take the faster reading (the roofline shares err low).
@@ -374,6 +384,9 @@ def main(args) -> int:
         print(f"{row['mode']:<14} {row['wall_s']:>7.1f} {row['output_tok_s']:>9.1f} {cb:>8} {static:>9} "
               f"{row['roofline_share']:>8.0%} {hit:>8} {computed:>15} {itl:>10} {preempted:>9} "
               f"{row['same_tokens_as_first']:>11.0%} {row['peak_rss_mib']:>12}")
+    if any("attention_share" in row for row in rows):
+        print("share of the wall time in attention (jitney's one-call decoder): "
+              + ", ".join(f"{row['mode']} {row['attention_share']:.0%}" for row in rows if "attention_share" in row))
     for row in rows:
         if row["same_tokens_as_first"] < 1:
             print(f"{row['mode']}: {row['same_tokens_as_first']:.1%} of the requests' tokens identical to "

@@ -25,6 +25,7 @@ class StepStats:
         self.slots_allocated = self.slots_used = 0  # summed over steps: KV slots held vs tokens they hold
         self.drafted = self.accepted = self.speculative_steps = 0
         self.ttft: list[float] = []  # queueing to first token, per request
+        self.attention_s: float | None = None  # seconds in attention, where the one-call decoder says
         # KV slots held vs used, summed over steps (`slots`): a pass over every active request's blocks each step
         self.slots = slots
 

@@ -108,6 +108,21 @@ WORKLOADS = {
 }
 
 
+def decoding(vocab_size: int, long: bool = False) -> tuple[Workload, list[float]]:
+    """Four requests decoding 256 tokens each from 64-token prompts, all at 0 s; `long`: a 4096-token prompt
+    (one new token, so that every token gap measured is the four's) arrives at 1 s, while they decode. With
+    (arrivals), the inter-token latency a long prompt costs running decodes: chunked prefill should bound it."""
+    rng = random.Random(64)
+    work = [([rng.randrange(100, vocab_size) for _ in range(64)], 256) for _ in range(4)]
+    if long:
+        work.append(([rng.randrange(100, vocab_size) for _ in range(4096)], 1))
+    return work, [0.0] * 4 + ([1.0] if long else [])
+
+
+ARRIVING = {"decode-4": decoding, "decode-4+long": lambda vocab: decoding(vocab, long=True)}
+"""Workloads whose requests arrive at given seconds (jitney's modes only)."""
+
+
 MODEL_SHAPES = {
     "tinyllama-1.1b-random": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                                   intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048),

@@ -97,26 +97,30 @@ def invariant_backend(cfg: EngineConfig, backend, name: str, device: torch.devic
     return backend
 
 
-def enter_cpu_paths(cfg: EngineConfig, model) -> list:
-    """Packed linears and fused decoder layers, where configured and possible (see `EngineConfig`), entered;
-    the caller exits them in reverse order. If one fails to enter, those already entered are exited."""
+def cpu_paths(cfg: EngineConfig, model) -> tuple[bool, bool]:
+    """Whether the linears are packed, and whether Llama-like layers are fused (see `EngineConfig`)."""
     on_cpu = next(model.parameters()).device.type == "cpu"
-    int8 = cfg.weights == "int8"
     pack = cfg.pack_cpu_weights
     if pack is None:
-        pack = on_cpu and (native.available() if cfg.batch_invariant or int8 else cpu_linear.available())
+        pack = on_cpu and (native.available() if cfg.batch_invariant or cfg.weights else cpu_linear.available())
     fuse = cfg.fuse_cpu_layers
     if fuse is None:
         fuse = pack and native.available()
-    if int8:
-        check_int8(model, pack)
+    return pack, fuse
+
+
+def enter_cpu_paths(cfg: EngineConfig, model) -> list:
+    """Packed linears and fused decoder layers, where configured and possible (see `EngineConfig`), entered;
+    the caller exits them in reverse order. If one fails to enter, those already entered are exited."""
+    pack, fuse = cpu_paths(cfg, model)
+    quantized = cfg.weights
     paths: list = []
     try:
         if fuse:
-            paths.append(cpu_layers.FusedLayers(model, int8=int8).__enter__())
+            paths.append(cpu_layers.FusedLayers(model, quantized=quantized).__enter__())
         if pack:
             skip = paths[0].linears if fuse else frozenset()
-            paths.append(cpu_linear.PackedLinears(model, skip=skip, widen=cfg.batch_invariant, int8=int8).__enter__())
+            paths.append(cpu_linear.PackedLinears(model, skip=skip, widen=cfg.batch_invariant, quantized=quantized).__enter__())
     except BaseException:
         for path in reversed(paths):
             path.__exit__(None, None, None)
@@ -124,9 +128,16 @@ def enter_cpu_paths(cfg: EngineConfig, model) -> list:
     return paths
 
 
-def check_int8(model, pack: bool) -> None:
-    """A `ValueError` saying why `EngineConfig.weights="int8"` cannot serve `model`, if it cannot."""
+def check_weights(cfg: EngineConfig, model) -> None:
+    """A `ValueError` saying why `EngineConfig.weights` ("int8" or "w8a8") cannot serve `model`, if it cannot."""
+    weights = cfg.weights
+    if weights is None:
+        return
+    pack, _ = cpu_paths(cfg, model)
     param = next(model.parameters())
+    linears = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32]
+    narrow = next((f"{name} takes {m.in_features}" for name, m in linears if m.in_features % 32), None)
     why = None
     if param.device.type != "cpu":
         why = f"it is implemented on CPU only (the model is on {param.device.type})"
@@ -134,10 +145,12 @@ def check_int8(model, pack: bool) -> None:
         why = "jitney's C++ kernels do not build here"
     elif not pack:
         why = "pack_cpu_weights=False leaves the linear layers to torch"
-    elif not any(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 for m in model.modules()):
+    elif not linears:
         why = f"the model has no fp32 linear layers (its weights are {param.dtype}: load it in fp32)"
+    elif weights == "w8a8" and narrow:
+        why = f"int8 activations go in blocks of 32 inputs, and {narrow} (use weights='int8')"
     if why:
-        raise ValueError(f"EngineConfig.weights='int8': {why}")
+        raise ValueError(f"EngineConfig.weights={weights!r}: {why}")
 
 
 def layer_groups(mc) -> list[LayerGroup]:

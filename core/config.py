@@ -81,7 +81,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     an fp32 copy of their weights (twice the bf16 weights' memory). Costs: docs/reliability.md. Needs a CPU model,
     the C++ kernels, and an attention backend that declares `batch_invariant`; otherwise a `ValueError` at start-up."""
 
-    weights: Literal["int8"] | None = None
+    weights: Literal["int8", "w8a8"] | None = None
     """`None`: the model's weights as loaded. `"int8"`: on CPU, every fp32 linear layer (the LM head included)
     computes through a copy of its weights rounded to int8, each output feature on its own scale (its largest
     magnitude / 127), with fp32 rows and fp32 sums (`kernels/cpu_linear.PanelLinear(int8=True)`): a quarter of the
@@ -89,7 +89,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     machine: docs/benchmarks.md); steps of many rows compute as much as in fp32. Tokens differ from fp32 now and
     then (measured in docs/benchmarks.md); deterministic and batch-invariant like fp32. Needs an fp32 model on the
     CPU and jitney's C++ kernels (a `ValueError` at start-up otherwise); the engine's model keeps its own weights,
-    the int8 copies live while the engine runs. Speculation is off by default (the draft would be the model itself)."""
+    the int8 copies live while the engine runs. Speculation is off by default (the draft would be the model itself).
+    `"w8a8"`: the same int8 weights, and each linear's input rounded to int8 too, in blocks of 32 inputs each on
+    its own scale; products summed exactly in int32 (AVX-512 VNNI), blocks in fp32. Steps of many rows compute
+    faster; the rounding of the activations costs more quality than int8's (docs/benchmarks.md). Needs every
+    linear's input width to be a multiple of 32."""
 
     check_model: bool = True
     """When the engine is entered, run a few positions through the model's own attention and through the path

@@ -53,6 +53,7 @@ class Engine:
         backend_name = config.attention_backend or assembly.default_attention(param)
         backend = registry(self.plugins, "attention backend").create(backend_name, param.device)
         backend = assembly.invariant_backend(config, backend, backend_name, param.device)
+        assembly.check_weights(config, model)
         eviction = registry(self.plugins, "eviction policy").create(config.eviction, config)
         self.cache = assembly.build_cache(config, mc, param.dtype, param.device, self.max_context, eviction)
         self.executor = StepExecutor(model, self.cache, backend)
@@ -109,7 +110,7 @@ class Engine:
         if check:  # the model's own logits, before anything of jitney's is bound to it
             sequences = selfcheck.probe_tokens(self.vocab_size)
             reference = self._forward.pool.submit(selfcheck.reference_logits, self.model, sequences,
-                                                  self.config.weights == "int8").result()
+                                                  self.config.weights).result()
         self._saved_attn = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_NAME)
         self._attn_bound = True
@@ -140,7 +141,7 @@ class Engine:
             log.warning("speculative_tokens=%d needs the CPU's one-call decoder (fused fp32 Llama-like layers, full "
                         "attention, jitney's C++ kernels) and unpadded decode steps: decoding without it", k)
         if k is None:  # (with int8 weights the draft is the model itself: no faster, docs/benchmarks.md)
-            k = 0 if self.async_batching or self.config.weights == "int8" else 4
+            k = 0 if self.async_batching or self.config.weights else 4
         return k if able else 0
 
     def on_forward_thread(self, fn):

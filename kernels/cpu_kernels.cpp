@@ -521,6 +521,7 @@ struct Panels {
   const float* bias = nullptr;
   int64_t n = 0, k = 0;
   const int8_t* q = nullptr;  // set instead of `p` for `pack_panels_int8` weights
+  const uint8_t* a8 = nullptr;  // set instead of `p` for `pack_panels_w8a8` weights (int8 activations too)
   bool gated = false;  // `pack_panels_gated` weights: the output is silu(gate) * up, n / 2 features
 };
 
@@ -952,6 +953,172 @@ static void qpanel_rows(const float* xp, int64_t m, const Panels& w, float* yp, 
   });
 }
 
+// int8 weights for int8 activations (`EngineConfig.weights="w8a8"`): the row blocks `qs` ([N_i, K] int8 each, K a
+// multiple of 32) stacked, `scales` [N] fp32 each output feature's scale (`cpu_linear.int8_weights`). Each panel of
+// 16 output features: its weights four inputs at a time ([K / 4][16][4] bytes: one 512-bit vector holds four
+// inputs of all 16, what `vpdpbusd` multiplies), then for each block of 32 inputs 128 x the sum of each feature's
+// weights in it ([K / 32][16] int32: activations go in as unsigned bytes, q + 128, and this takes the 128 back
+// out), then the 16 scales. [ceil(N / 16), K * 18 + 64] bytes.
+static constexpr int64_t A8_BLOCK = 32;
+
+static inline int64_t w8a8_width(int64_t k) { return k * PANEL + k / A8_BLOCK * PANEL * 4 + PANEL * 4; }
+
+torch::Tensor pack_panels_w8a8(std::vector<torch::Tensor> qs, torch::Tensor scales) {
+  TORCH_CHECK(!qs.empty(), "pack_panels_w8a8: at least one weight");
+  const int64_t k = qs[0].size(1);
+  int64_t n = 0;
+  for (const auto& q : qs) {
+    TORCH_CHECK(q.dim() == 2 && q.size(1) == k && q.scalar_type() == torch::kChar && q.device().is_cpu(),
+                "pack_panels_w8a8: int8 weights [N, K], on the CPU");
+    n += q.size(0);
+  }
+  TORCH_CHECK(k % A8_BLOCK == 0, "pack_panels_w8a8: the input width must be a multiple of 32");
+  TORCH_CHECK(scales.dim() == 1 && scales.numel() == n && scales.scalar_type() == torch::kFloat && scales.is_contiguous(),
+              "pack_panels_w8a8: one fp32 scale per output feature");
+  const int64_t width = w8a8_width(k), blocks = k / A8_BLOCK;
+  auto out = huge_page_tensor({(n + PANEL - 1) / PANEL, width}, torch::kByte);
+  uint8_t* op = out.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  int64_t j = 0;
+  for (const auto& block : qs) {
+    const auto q = block.contiguous();
+    const int8_t* qp = q.data_ptr<int8_t>();
+    for (int64_t i = 0; i < q.size(0); ++i, ++j) {
+      uint8_t* panel = op + (j / PANEL) * width;
+      const int64_t f = j % PANEL;
+      int32_t* sums = reinterpret_cast<int32_t*>(panel + k * PANEL);
+      for (int64_t c = 0; c < k; ++c) {
+        panel[((c / 4) * PANEL + f) * 4 + c % 4] = static_cast<uint8_t>(qp[i * k + c]);
+        sums[(c / A8_BLOCK) * PANEL + f] += 128 * qp[i * k + c];
+      }
+      std::memcpy(panel + k * PANEL + blocks * PANEL * 4 + f * 4, sp + j, 4);
+    }
+  }
+  return out;
+}
+
+// Rows [M, K] rounded to int8 in blocks of 32 inputs, each on its own scale (its largest magnitude / 127; a block
+// of zeros: 0), stored as q + 128 (unsigned) in `q` [M, K]; the scales in `s` [M, K / 32]. Rounding to nearest,
+// ties to even, as `cpu_linear.int8_activations` does.
+static void quantize_rows(const float* x, int64_t m, int64_t k, uint8_t* q, float* s) {
+  const int64_t blocks = k / A8_BLOCK;
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * k + b * A8_BLOCK;
+      float top = 0.f;
+      for (int64_t i = 0; i < A8_BLOCK; ++i) top = std::max(top, std::abs(xb[i]));
+      const float scale = top / 127.f, inverse = top > 0.f ? 1.f / scale : 0.f;
+      s[r * blocks + b] = scale;
+      for (int64_t i = 0; i < A8_BLOCK; ++i)
+        q[r * k + b * A8_BLOCK + i] =
+            static_cast<uint8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(xb[i] * inverse))) + 128.f);
+    }
+}
+
+#ifdef __AVX512VNNI__
+// ROWS rows x NP panels of w8a8 weights: per block of 32 inputs, the exact int32 dot products (`vpdpbusd`, the
+// block's sums x 128 taken out), then times the row's block scale into fp32 sums, block after block; at the end
+// times the features' scales, plus the bias. A row's outputs do not depend on the rows computed with it.
+template <int ROWS, int NP>
+static inline void a8_tile(const uint8_t* q, const float* s, int64_t k, const uint8_t* panel, int64_t width, float* yp,
+                           int64_t ldy, int64_t n_left, const float* bias) {
+  const int64_t blocks = k / A8_BLOCK;
+  __m512 f[ROWS][NP];
+  for (int r = 0; r < ROWS; ++r)
+    for (int p = 0; p < NP; ++p) f[r][p] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i a[ROWS][NP];
+    for (int p = 0; p < NP; ++p) {
+      const __m512i sums = _mm512_loadu_si512(panel + p * width + k * PANEL + b * PANEL * 4);
+      for (int r = 0; r < ROWS; ++r) a[r][p] = _mm512_sub_epi32(_mm512_setzero_si512(), sums);
+    }
+    for (int64_t g = b * (A8_BLOCK / 4); g < (b + 1) * (A8_BLOCK / 4); ++g) {
+      __m512i w[NP];
+      for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_si512(panel + p * width + g * PANEL * 4);
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t four;
+        std::memcpy(&four, q + r * k + g * 4, 4);
+        const __m512i x = _mm512_set1_epi32(four);
+        for (int p = 0; p < NP; ++p) a[r][p] = _mm512_dpbusd_epi32(a[r][p], x, w[p]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 scale = _mm512_set1_ps(s[r * blocks + b]);
+      for (int p = 0; p < NP; ++p) f[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][p]), scale, f[r][p]);
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(panel + p * width + k * PANEL + blocks * PANEL * 4));
+    const int64_t cols = std::min(PANEL, n_left - p * PANEL);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 out = _mm512_mul_ps(f[r][p], scale);
+      store_panel(reinterpret_cast<const v8*>(&out), yp + r * ldy + p * PANEL, cols, bias ? bias + p * PANEL : nullptr);
+    }
+  }
+}
+
+template <int NP>
+static inline void a8_tile_rows(int64_t rows, const uint8_t* q, const float* s, int64_t k, const uint8_t* panel,
+                                int64_t width, float* yp, int64_t ldy, int64_t n_left, const float* bias) {
+  switch (rows) {
+    case 6: a8_tile<6, NP>(q, s, k, panel, width, yp, ldy, n_left, bias); break;
+    case 5: a8_tile<5, NP>(q, s, k, panel, width, yp, ldy, n_left, bias); break;
+    case 4: a8_tile<4, NP>(q, s, k, panel, width, yp, ldy, n_left, bias); break;
+    case 3: a8_tile<3, NP>(q, s, k, panel, width, yp, ldy, n_left, bias); break;
+    case 2: a8_tile<2, NP>(q, s, k, panel, width, yp, ldy, n_left, bias); break;
+    default: a8_tile<1, NP>(q, s, k, panel, width, yp, ldy, n_left, bias); break;
+  }
+}
+#endif
+
+// y = x @ w.T (+ b) over `pack_panels_w8a8` weights, x's rows rounded to int8 first (`quantize_rows`). Threads
+// split the panels in pairs; rows go through in tiles of up to six. Without AVX-512 VNNI, the same sums in
+// scalar code (correct, slow).
+static void a8_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small) {
+  const int64_t k = w.k, n = w.n, width = w8a8_width(k), blocks = k / A8_BLOCK;
+  const int64_t panels = (n + PANEL - 1) / PANEL;
+  std::vector<uint8_t> q(m * k);
+  std::vector<float> s(m * blocks);
+  quantize_rows(xp, m, k, q.data(), s.data());
+#ifdef __AVX512VNNI__
+  constexpr int64_t TILE = 6;
+  parallel((panels + 1) / 2, 1, small, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t p = 2 * pair, j = p * PANEL;
+      const uint8_t* panel = w.a8 + p * width;
+      const float* b = w.bias ? w.bias + j : nullptr;
+      for (int64_t r = 0; r < m; r += TILE) {
+        const int64_t rows = std::min(TILE, m - r);
+        if (p + 1 < panels)
+          a8_tile_rows<2>(rows, q.data() + r * k, s.data() + r * blocks, k, panel, width, yp + r * n + j, n, n - j, b);
+        else
+          a8_tile_rows<1>(rows, q.data() + r * k, s.data() + r * blocks, k, panel, width, yp + r * n + j, n, n - j, b);
+      }
+    }
+  });
+#else
+  parallel(panels, 1, small, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = w.a8 + p * width;
+      const int32_t* sums = reinterpret_cast<const int32_t*>(panel + k * PANEL);
+      const float* scale = reinterpret_cast<const float*>(panel + k * PANEL + blocks * PANEL * 4);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t f = 0; f < PANEL && p * PANEL + f < n; ++f) {
+          float total = 0.f;
+          for (int64_t b = 0; b < blocks; ++b) {
+            int32_t dot = -sums[b * PANEL + f];
+            for (int64_t c = b * A8_BLOCK; c < (b + 1) * A8_BLOCK; ++c)
+              dot += int32_t(q[r * k + c]) * int32_t(int8_t(panel[((c / 4) * PANEL + f) * 4 + c % 4]));
+            total += float(dot) * s[r * blocks + b];
+          }
+          const int64_t j = p * PANEL + f;
+          yp[r * n + j] = total * scale[f] + (w.bias ? w.bias[j] : 0.f);
+        }
+    }
+  });
+#endif
+}
+
 // silu(gate) * up for `rows` rows of a tile through a gate panel and its up panel: t holds each row's 16 gate
 // outputs then its 16 up outputs; the same arithmetic as `silu_rows`.
 static inline void gated_store(const float* t, int64_t rows, float* y, int64_t ldy) {
@@ -980,9 +1147,10 @@ static inline void add_tile(float* y, const float* a, int64_t rows, int64_t cols
 // alternating); not with gated weights.
 static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small, const float* add = nullptr) {
   TORCH_CHECK(!(add && w.gated), "panel_rows: no residual with gated weights");
-  if (w.q) {
-    qpanel_rows(xp, m, w, yp, small);
-    if (add) add_tile(yp, add, m, w.n, w.n);  // (a draft's few rows)
+  if (w.q || w.a8) {
+    if (w.q) qpanel_rows(xp, m, w, yp, small);
+    else a8_rows(xp, m, w, yp, small);
+    if (add) add_tile(yp, add, m, w.n, w.n);
     return;
   }
   constexpr int64_t TILE = 6;
@@ -1098,7 +1266,13 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
 
 static Panels panels_of(const torch::Tensor& packed, int64_t n, const torch::Tensor& bias, bool gated = false) {
   Panels w;
-  if (packed.scalar_type() == torch::kChar) {  // `pack_panels_int8`
+  if (packed.scalar_type() == torch::kByte) {  // `pack_panels_w8a8`
+    const int64_t k = (packed.size(1) - PANEL * 4) / (PANEL + PANEL * 4 / A8_BLOCK);
+    TORCH_CHECK(packed.is_contiguous() && packed.dim() == 2 && packed.size(0) * PANEL >= n && k % A8_BLOCK == 0 &&
+                w8a8_width(k) == packed.size(1), "panel_linear: w8a8 weights from pack_panels_w8a8");
+    w = Panels{nullptr, nullptr, n, k};
+    w.a8 = packed.data_ptr<uint8_t>();
+  } else if (packed.scalar_type() == torch::kChar) {  // `pack_panels_int8`
     TORCH_CHECK(packed.is_contiguous() && packed.dim() == 2 && packed.size(0) * PANEL >= n && packed.size(1) % PANEL == 0 &&
                 packed.size(1) > PANEL * 4, "panel_linear: int8 weights from pack_panels_int8");
     w = Panels{nullptr, nullptr, n, (packed.size(1) - PANEL * 4) / PANEL, packed.data_ptr<int8_t>()};
@@ -1113,7 +1287,7 @@ static Panels panels_of(const torch::Tensor& packed, int64_t n, const torch::Ten
                 "panel_linear: one fp32 bias per output feature");
     w.bias = bias.data_ptr<float>();
   }
-  TORCH_CHECK(!gated || (!w.q && n % (2 * PANEL) == 0), "panel_linear: gated weights from pack_panels_gated");
+  TORCH_CHECK(!gated || (!w.q && !w.a8 && n % (2 * PANEL) == 0), "panel_linear: gated weights from pack_panels_gated");
   w.gated = gated;
   return w;
 }
@@ -1610,6 +1784,7 @@ class FusedDecoder {
           std::copy(vr + j * d, vr + (j + 1) * d, vp + (j * slots_per_head + slots[g][r]) * d);
         }
       }
+      const auto attention_start = std::chrono::steady_clock::now();
       if (decodes)
         decode_attention(y.get(), qkv_width, nd, h, d, kp, vp, kvh, slots_per_head, tp, width, cp, attn.get(), scaling_,
                          windows_[i], block_size, small);
@@ -1617,6 +1792,7 @@ class FusedDecoder {
         prefill_attention(y.get() + nd * qkv_width, qkv_width, m - nd, h, d, kp, vp, kvh, slots_per_head, tp + decodes * width,
                           width, cp + decodes, qlens.data() + decodes, chunk_starts.data(), requests - decodes,
                           attn.get() + nd * h * d, scaling_, windows_[i], block_size);
+      attention_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - attention_start).count();
       panel_rows(attn.get(), m, l.o, o.get(), small);
       rms_rows(o.get(), xp, l.norm_post, eps_[2 * i + 1], m, c, hn.get(), sum.get(), small);
       if (gated) {
@@ -1656,6 +1832,11 @@ class FusedDecoder {
   double norm_eps_;
   torch::Tensor head_t_, head_bias_t_;
   Panels head_;
+
+ public:
+  // Seconds spent in attention (decode and prefill, every layer) since the decoder was built: where a step's
+  // time goes, for benchmarks (two clock reads a layer).
+  double attention_s_ = 0;
 };
 
 // The kernels run without the GIL, so the engine's event loop goes on while a forward computes.
@@ -1666,6 +1847,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels);
   m.def("pack_panels_gated", &pack_panels_gated);
   m.def("pack_panels_int8", &pack_panels_int8);
+  m.def("pack_panels_w8a8", &pack_panels_w8a8);
   m.def("panel_linear", &panel_linear, py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("b"), py::arg("gated") = false, nogil);
   m.def("rms_norm", &rms_norm, nogil);
   m.def("rotary_", &rotary_, nogil);
@@ -1676,5 +1858,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     int64_t, double, torch::Tensor, double, torch::Tensor, int64_t, torch::Tensor, bool>())
       .def("forward", &FusedDecoder::forward, nogil)
       .def("step", &FusedDecoder::step, nogil)
-      .def("propose", &FusedDecoder::propose, nogil);
+      .def("propose", &FusedDecoder::propose, nogil)
+      .def_readonly("attention_seconds", &FusedDecoder::attention_s_);
 }

@@ -18,9 +18,9 @@ At batch 1 on SmolLM2 the Python between the layers was ~4 ms of a ~23 ms step; 
 ~0.3 s of 6. `FusedDecoder.speculate` runs speculative decode steps: the same decoder over int8 copies of the
 weights proposes tokens, the fp32 one checks them all in one pass.
 
-`FusedLayers(model, int8=True)` (`EngineConfig.weights="int8"`) packs every one of those linears, the LM head
-included, as int8 (`cpu_linear.PanelLinear(int8=True)`): the same kernels and order, a quarter of the weights'
-bytes, rows and sums in fp32. Such a decoder is its own draft.
+`FusedLayers(model, quantized="int8")` (`EngineConfig.weights`) packs every one of those linears, the LM head
+included, as int8 (`cpu_linear.PanelLinear(quantized=...)`; "w8a8": int8 activations too): the same kernels
+and order, a quarter of the weights' bytes. Such a decoder is its own draft.
 """
 
 from __future__ import annotations
@@ -64,12 +64,12 @@ def supported(layer: nn.Module) -> bool:
 
 
 class FusedLayers:
-    """While entered, every supported decoder layer of `model` runs fused (see the module's docstring); `int8`:
-    over int8 copies of the weights."""
+    """While entered, every supported decoder layer of `model` runs fused (see the module's docstring);
+    `quantized`: over int8 copies of the weights ("int8" or "w8a8", `cpu_linear.PanelLinear`)."""
 
-    def __init__(self, model: nn.Module, int8: bool = False):
+    def __init__(self, model: nn.Module, quantized: str | None = None):
         self.model = model
-        self.int8 = int8
+        self.quantized = quantized
         self.patched: list[nn.Module] = []
         self.linears: set[nn.Linear] = set()
         """The linear layers computed here (`PackedLinears` can skip them)."""
@@ -83,16 +83,16 @@ class FusedLayers:
         for layer in self.model.modules():
             if supported(layer):
                 attn, mlp = layer.self_attn, layer.mlp
-                packs[layer] = _LayerLinears(layer, self.int8)
+                packs[layer] = _LayerLinears(layer, self.quantized)
                 layer.forward = _fused_forward(layer, packs[layer], kernels)
                 self.patched.append(layer)
                 self.linears.update([attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj])
         if whole:
             head = self.model.lm_head
-            head.forward = packed_head = _stacked([head], self.int8)  # the decoder's and the model's forward share it
+            head.forward = packed_head = _stacked([head], self.quantized)  # the decoder's and the model's forward share it
             self.patched.append(head)
             self.linears.add(head)
-            self.decoder = FusedDecoder(self.model, packs, packed_head, kernels, self.int8)
+            self.decoder = FusedDecoder(self.model, packs, packed_head, kernels, self.quantized)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -126,10 +126,9 @@ class FusedDecoder:
         )
 
     def __init__(self, model: nn.Module, packs: dict[nn.Module, "_LayerLinears"], head: cpu_linear.PanelLinear, kernels,
-                 int8: bool = False):
+                 quantized: str | None = None):
         self.model = model
         self.kernels = kernels
-        self.int8 = int8
         layers = []
         for layer in model.model.layers:
             p = packs[layer]
@@ -137,7 +136,7 @@ class FusedDecoder:
                            p.down.bias])
         (gated,) = {packs[layer].gate_up.gated for layer in model.model.layers}  # (one MLP width for every layer)
         self.native = self._native(layers, head.packed, head.bias, gated=gated)
-        self._draft = self.native if int8 else None
+        self._draft = self.native if quantized else None
         self.argmax = kernels.argmax_rows
         """torch.argmax's tokens, off OpenMP (see `argmax_rows` in `cpu_kernels.cpp`)."""
 
@@ -164,7 +163,7 @@ class FusedDecoder:
     def draft(self):
         """The same decoder over int8 copies of the weights (each output feature on its own scale: a quarter of
         the fp32 weights' memory; packed at the first use), which proposes the tokens `speculate` checks. With
-        int8 weights, the decoder itself."""
+        quantized weights, the decoder itself."""
         if self._draft is None:
             pack = cpu_linear.pack_int8
             layers = []
@@ -242,25 +241,25 @@ def _stacked_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
     return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
 
 
-def _stacked(linears: list[nn.Linear], int8: bool = False) -> cpu_linear.PanelLinear:
+def _stacked(linears: list[nn.Linear], quantized: str | None = None) -> cpu_linear.PanelLinear:
     """One packed linear over several that share an input (their weights stay as they are)."""
-    return cpu_linear.PanelLinear([m.weight.detach() for m in linears], _stacked_bias(linears), int8=int8)
+    return cpu_linear.PanelLinear([m.weight.detach() for m in linears], _stacked_bias(linears), quantized=quantized)
 
 
 class _LayerLinears:
     """A decoder layer's four packed linears: q/k/v stacked, o, gate/up (gated: SiLU·up in the same pass, where
     the MLP's width is a multiple of 16 and the weights fp32; else stacked) and down."""
 
-    def __init__(self, layer: nn.Module, int8: bool = False):
+    def __init__(self, layer: nn.Module, quantized: str | None = None):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _stacked([attn.q_proj, attn.k_proj, attn.v_proj], int8)
-        self.o = _stacked([attn.o_proj], int8)
+        self.qkv = _stacked([attn.q_proj, attn.k_proj, attn.v_proj], quantized)
+        self.o = _stacked([attn.o_proj], quantized)
         gate_up = [mlp.gate_proj, mlp.up_proj]
-        if mlp.gate_proj.out_features % 16 == 0 and not int8:
+        if mlp.gate_proj.out_features % 16 == 0 and not quantized:
             self.gate_up = cpu_linear.PanelLinear([m.weight.detach() for m in gate_up], _stacked_bias(gate_up), gated=True)
         else:
-            self.gate_up = _stacked(gate_up, int8)
-        self.down = _stacked([mlp.down_proj], int8)
+            self.gate_up = _stacked(gate_up, quantized)
+        self.down = _stacked([mlp.down_proj], quantized)
 
 
 def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):

@@ -34,15 +34,15 @@ class PackedLinears:
     depends on the number of rows (a row's output differed by up to 4e-3 alone vs in a batch); the panel kernel
     sums every row the same way.
 
-    `int8` (`EngineConfig.weights="int8"`): the fp32 linears through int8 copies of their weights
-    (`PanelLinear(int8=True)`)."""
+    `quantized` (`EngineConfig.weights`: "int8" or "w8a8"): the fp32 linears through int8 copies of their weights
+    (`PanelLinear(quantized=...)`)."""
 
     def __init__(self, model: nn.Module, skip: set[nn.Module] | frozenset = frozenset(), widen: bool = False,
-                 int8: bool = False):
+                 quantized: str | None = None):
         self.model = model
         self.skip = skip
         self.widen = widen
-        self.int8 = int8
+        self.quantized = quantized
         self.patched: list[nn.Linear] = []
 
     def __enter__(self) -> "PackedLinears":
@@ -51,8 +51,8 @@ class PackedLinears:
             w = module.weight if isinstance(module, nn.Linear) else None
             if w is None or w.dtype not in kinds or w.device.type != "cpu" or module in self.skip:
                 continue
-            if w.dtype == torch.float32 and self.int8:
-                module.forward = PanelLinear([w.detach()], module.bias, int8=True)
+            if w.dtype == torch.float32 and self.quantized:
+                module.forward = PanelLinear([w.detach()], module.bias, quantized=self.quantized)
             elif w.dtype == torch.float32:
                 module.forward = packed_linear([w.detach()], module.bias)
             else:
@@ -72,16 +72,22 @@ class PanelLinear:
 
     `gated`: `weights` are a gated MLP's gate and up projections ([I, K] each, I a multiple of 16, `bias` theirs
     stacked) and the layer computes silu(x @ gate.T) * (x @ up.T) [.., I] in one pass (`pack_panels_gated`).
-    `int8`: the packed copy holds each output feature's weights rounded to int8 on its own scale (its largest
-    magnitude / 127; `int8_weights`), a quarter of the bytes; rows and sums stay fp32. Not with `gated`."""
+    `quantized`: the packed copy holds each output feature's weights rounded to int8 on its own scale (its largest
+    magnitude / 127; `int8_weights`), a quarter of the bytes. "int8": rows and sums stay fp32. "w8a8": the rows
+    are rounded to int8 too, each block of 32 inputs on its own scale (`int8_activations`), their products summed
+    exactly in int32 a block at a time (AVX-512 VNNI), the blocks' sums in fp32; input widths a multiple of 32.
+    Not with `gated`."""
 
-    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, gated: bool = False, int8: bool = False):
-        if gated and int8:
+    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, gated: bool = False,
+                 quantized: str | None = None):
+        if quantized not in (None, "int8", "w8a8"):
+            raise ValueError(f"PanelLinear: quantized is None, 'int8' or 'w8a8', not {quantized!r}")
+        if gated and quantized:
             raise ValueError("PanelLinear: int8 weights are not packed gated (stack gate and up instead)")
         kernels = native.load()
         self.gated = gated
-        if int8:
-            self.packed = pack_int8(weights)
+        if quantized:
+            self.packed = pack_int8(weights, activations=quantized == "w8a8")
         else:
             self.packed = kernels.pack_panels_gated(*weights) if gated else kernels.pack_panels(weights)
         self.width = sum(w.shape[0] for w in weights)  # the kernel's outputs before gating
@@ -106,10 +112,21 @@ def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (weight / scale).round().clamp(-127, 127).to(torch.int8), scale.reshape(-1).contiguous()
 
 
-def pack_int8(weights: list[torch.Tensor]) -> torch.Tensor:
-    """The row blocks `weights` stacked and rounded (`int8_weights`), packed for `panel_linear`."""
+def pack_int8(weights: list[torch.Tensor], activations: bool = False) -> torch.Tensor:
+    """The row blocks `weights` stacked and rounded (`int8_weights`), packed for `panel_linear`; `activations`:
+    for int8 activations too (`pack_panels_w8a8`; the input width a multiple of 32)."""
     rounded = [int8_weights(w.detach().float()) for w in weights]
-    return native.load().pack_panels_int8([q for q, _ in rounded], torch.cat([s for _, s in rounded]))
+    pack = native.load().pack_panels_w8a8 if activations else native.load().pack_panels_int8
+    return pack([q for q, _ in rounded], torch.cat([s for _, s in rounded]))
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """Rows `x` [..., K] as a "w8a8" `PanelLinear` computes with them: each block of 32 inputs rounded to int8 on
+    its own scale (its largest magnitude / 127), scaled back (a new tensor)."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return ((blocks * inverse).round().clamp(-127, 127) * scale).reshape(x.shape)
 
 
 def int8_rounded(weight: torch.Tensor) -> torch.Tensor:
@@ -120,17 +137,20 @@ def int8_rounded(weight: torch.Tensor) -> torch.Tensor:
 
 class Int8Reference:
     """While entered, every fp32 `nn.Linear` of `model` computes through `F.linear` with its weight as the int8
-    path rounds it (`int8_rounded`): torch's reference for `EngineConfig.weights="int8"` (the start-up check's,
-    the tests'). Forwards are patched, not weights (a tied embedding shares the LM head's weight)."""
+    path rounds it (`int8_rounded`; `activations`: its input as "w8a8" rounds it, `int8_activations`): torch's
+    reference for `EngineConfig.weights` (the start-up check's, the tests'). Forwards are patched, not weights
+    (a tied embedding shares the LM head's weight)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, activations: bool = False):
         self.model = model
+        self.activations = activations
         self.patched: list[nn.Linear] = []
 
     def __enter__(self) -> "Int8Reference":
         for m in self.model.modules():
             if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32:  # (what `PackedLinears` packs)
-                m.forward = functools.partial(F.linear, weight=int8_rounded(m.weight.detach()), bias=m.bias)
+                linear = functools.partial(F.linear, weight=int8_rounded(m.weight.detach()), bias=m.bias)
+                m.forward = (lambda x, f=linear: f(int8_activations(x))) if self.activations else linear
                 self.patched.append(m)
         return self
 

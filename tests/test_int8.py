@@ -1,6 +1,7 @@
 """int8 weights (`EngineConfig(weights="int8")`): greedy tokens are `generate`'s with every linear's weight rounded
 as the int8 path rounds it (so the int8 kernels add only float rounding), deterministic and batch-invariant; the
-int8 model is refused where it cannot run, and speculation still gives its own tokens."""
+int8 model is refused where it cannot run, and speculation still gives its own tokens. "w8a8" (int8 activations
+too): its linears match torch's rounding of weights and inputs, and it is deterministic and batch-invariant."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ MODELS = {  # (scaled: the rounding of the weights changes tokens, so the test t
 
 
 async def run(model, work, **config) -> list[list[int]]:
+    """Greedy tokens of `work` through an int8 engine (`config` overrides)."""
     out: dict[int, list[int]] = {}
     config = {"weights": "int8", "max_batch_tokens": 16, "block_size": 4, **config}
     async with Engine(model, config=EngineConfig(**config)) as engine:
@@ -37,26 +39,29 @@ async def run(model, work, **config) -> list[list[int]]:
     return [out[i] for i in range(len(work))]
 
 
+@pytest.mark.parametrize("weights", ["int8", "w8a8"])
 @pytest.mark.parametrize("name", list(MODELS))
-async def test_int8_tokens_are_generates_with_the_rounded_weights(name):
+async def test_quantized_tokens_are_generates_with_the_rounded_weights(name, weights):
     model = MODELS[name]()
     work = random_requests(8, model.config.vocab_size, max_prompt=40, max_new=20, seed=3)
     fp32 = [reference(model, p, n) for p, n in work]
-    with cpu_linear.Int8Reference(model):
+    with cpu_linear.Int8Reference(model, activations=weights == "w8a8"):
         rounded = [reference(model, p, n) for p, n in work]
     assert rounded != fp32, "the workload should tell int8 from fp32 weights"
-    assert await run(model, work) == rounded
+    assert await run(model, work, weights=weights) == rounded
     # the model's own weights are untouched
     assert [reference(model, p, n) for p, n in work] == fp32
 
 
-async def test_int8_is_batch_invariant_and_deterministic():
-    model = MODELS["llama"]()
+@pytest.mark.parametrize("weights", ["int8", "w8a8"])
+@pytest.mark.parametrize("name", ["llama", "phi3"])
+async def test_quantized_is_batch_invariant_and_deterministic(weights, name):
+    model = MODELS[name]()
     work = random_requests(6, model.config.vocab_size, max_prompt=40, max_new=16, seed=5)
-    together = await run(model, work)
-    alone = [(await run(model, [w]))[0] for w in work]
+    together = await run(model, work, weights=weights)
+    alone = [(await run(model, [w], weights=weights))[0] for w in work]
     assert together == alone
-    assert await run(model, work, max_batch_tokens=5) == together  # prompts chunked differently
+    assert await run(model, work, max_batch_tokens=5, weights=weights) == together  # prompts chunked differently
 
 
 async def test_int8_speculation_gives_the_same_tokens():
@@ -78,7 +83,11 @@ async def test_int8_is_refused_where_it_cannot_run():
             pass
     with pytest.raises(ValueError, match="weights"):
         EngineConfig(weights="int4")
-    # refused at entry, nothing stays bound: the model serves again afterwards
+    narrow = scaled_tiny(T.LlamaConfig, T.LlamaForCausalLM, hidden_size=48, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="blocks of 32 inputs, and model.layers.0.self_attn.q_proj takes 48"):
+        async with Engine(narrow, config=EngineConfig(weights="w8a8")):
+            pass
+    # refused when built, nothing bound: the model serves afterwards
     async with Engine(model, config=EngineConfig(weights="int8")) as engine:
         assert (await engine.generate(Request([5, 6, 7], SamplingParams(max_new_tokens=3)))).token_ids
 
@@ -86,8 +95,26 @@ async def test_int8_is_refused_where_it_cannot_run():
 def test_int8_linear_matches_its_reference():
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
-    linear = cpu_linear.PanelLinear([w[:8], w[8:]], b, int8=True)
+    linear = cpu_linear.PanelLinear([w[:8], w[8:]], b, quantized="int8")
     x = torch.randn(3, 5, 24, generator=g)
     torch.testing.assert_close(linear(x), x @ cpu_linear.int8_rounded(w).T + b, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="gated"):
-        cpu_linear.PanelLinear([w[:16], w[16:32]], None, gated=True, int8=True)
+        cpu_linear.PanelLinear([w[:16], w[16:32]], None, gated=True, quantized="int8")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 40])
+def test_w8a8_linear_matches_its_reference(rows):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(72, 96, generator=g), torch.randn(72, generator=g)  # (72: a panel of 16 left over)
+    w[5] = 0
+    linear = cpu_linear.PanelLinear([w[:40], w[40:]], b, quantized="w8a8")
+    x = torch.randn(rows, 96, generator=g)
+    x[0, :32] = 0  # a block of zeros
+    x[-1, 40] = 50.0  # an outlier: its block's other inputs round coarsely, the other blocks' do not
+    y = linear(x)
+    ref = cpu_linear.int8_activations(x) @ cpu_linear.int8_rounded(w).T + b
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-5)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(rows)])
+    assert torch.equal(y, alone)  # each row's outputs whatever the rows computed with it
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_linear.PanelLinear([torch.randn(16, 48)], None, quantized="w8a8")
