@@ -956,10 +956,14 @@ static void qpanel_rows(const float* xp, int64_t m, const Panels& w, float* yp, 
 // int8 weights for int8 activations (`EngineConfig.weights="w8a8"`): the row blocks `qs` ([N_i, K] int8 each, K a
 // multiple of 32) stacked, `scales` [N] fp32 each output feature's scale (`cpu_linear.int8_weights`). Each panel of
 // 16 output features: its weights four inputs at a time ([K / 4][16][4] bytes: one 512-bit vector holds four
-// inputs of all 16, what `vpdpbusd` multiplies), then for each block of 32 inputs 128 x the sum of each feature's
-// weights in it ([K / 32][16] int32: activations go in as unsigned bytes, q + 128, and this takes the 128 back
-// out), then the 16 scales. [ceil(N / 16), K * 18 + 64] bytes.
+// inputs of all 16, what `vpdpbusd` multiplies), then for each block of 32 inputs -128 x the sum of each feature's
+// weights in it ([K / 32][16] int32: activations go in as unsigned bytes, q + 128, and a block's sums start from
+// this to take the 128 back out), then the 16 scales. [ceil(N / 16), K * 18 + 64] bytes.
 static constexpr int64_t A8_BLOCK = 32;
+#ifndef A8_TILE
+#define A8_TILE 3
+#define A8_NP 4
+#endif
 
 static inline int64_t w8a8_width(int64_t k) { return k * PANEL + k / A8_BLOCK * PANEL * 4 + PANEL * 4; }
 
@@ -989,7 +993,7 @@ torch::Tensor pack_panels_w8a8(std::vector<torch::Tensor> qs, torch::Tensor scal
       int32_t* sums = reinterpret_cast<int32_t*>(panel + k * PANEL);
       for (int64_t c = 0; c < k; ++c) {
         panel[((c / 4) * PANEL + f) * 4 + c % 4] = static_cast<uint8_t>(qp[i * k + c]);
-        sums[(c / A8_BLOCK) * PANEL + f] += 128 * qp[i * k + c];
+        sums[(c / A8_BLOCK) * PANEL + f] -= 128 * qp[i * k + c];
       }
       std::memcpy(panel + k * PANEL + blocks * PANEL * 4 + f * 4, sp + j, 4);
     }
@@ -1000,8 +1004,29 @@ torch::Tensor pack_panels_w8a8(std::vector<torch::Tensor> qs, torch::Tensor scal
 // Rows [M, K] rounded to int8 in blocks of 32 inputs, each on its own scale (its largest magnitude / 127; a block
 // of zeros: 0), stored as q + 128 (unsigned) in `q` [M, K]; the scales in `s` [M, K / 32]. Rounding to nearest,
 // ties to even, as `cpu_linear.int8_activations` does.
-static void quantize_rows(const float* x, int64_t m, int64_t k, uint8_t* q, float* s) {
+static void quantize_rows(const float* x, int64_t m, int64_t k, uint8_t* q, float* s, bool small) {
   const int64_t blocks = k / A8_BLOCK;
+#ifdef __AVX512F__
+  parallel(m, 16, small, [&](int64_t begin, int64_t end) {
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127), offset = _mm512_set1_epi32(128);
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* xb = x + r * k + b * A8_BLOCK;
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+        const float scale = top / 127.f, inverse = top > 0.f ? 1.f / scale : 0.f;
+        s[r * blocks + b] = scale;
+        const __m512 inv = _mm512_set1_ps(inverse);
+        for (int h = 0; h < 2; ++h) {  // (the conversion rounds to nearest, ties to even)
+          __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(h ? x1 : x0, inv));
+          v = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(v, low), high), offset);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * k + b * A8_BLOCK + 16 * h), _mm512_cvtepi32_epi8(v));
+        }
+      }
+  });
+  return;
+#endif
   for (int64_t r = 0; r < m; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = x + r * k + b * A8_BLOCK;
@@ -1016,8 +1041,8 @@ static void quantize_rows(const float* x, int64_t m, int64_t k, uint8_t* q, floa
 }
 
 #ifdef __AVX512VNNI__
-// ROWS rows x NP panels of w8a8 weights: per block of 32 inputs, the exact int32 dot products (`vpdpbusd`, the
-// block's sums x 128 taken out), then times the row's block scale into fp32 sums, block after block; at the end
+// ROWS rows x NP panels of w8a8 weights: per block of 32 inputs, the exact int32 dot products (`vpdpbusd`, from
+// the block's -128 x sums), then times the row's block scale into fp32 sums, block after block; at the end
 // times the features' scales, plus the bias. A row's outputs do not depend on the rows computed with it.
 template <int ROWS, int NP>
 static inline void a8_tile(const uint8_t* q, const float* s, int64_t k, const uint8_t* panel, int64_t width, float* yp,
@@ -1029,8 +1054,8 @@ static inline void a8_tile(const uint8_t* q, const float* s, int64_t k, const ui
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i a[ROWS][NP];
     for (int p = 0; p < NP; ++p) {
-      const __m512i sums = _mm512_loadu_si512(panel + p * width + k * PANEL + b * PANEL * 4);
-      for (int r = 0; r < ROWS; ++r) a[r][p] = _mm512_sub_epi32(_mm512_setzero_si512(), sums);
+      const __m512i start = _mm512_loadu_si512(panel + p * width + k * PANEL + b * PANEL * 4);
+      for (int r = 0; r < ROWS; ++r) a[r][p] = start;
     }
     for (int64_t g = b * (A8_BLOCK / 4); g < (b + 1) * (A8_BLOCK / 4); ++g) {
       __m512i w[NP];
@@ -1061,6 +1086,8 @@ template <int NP>
 static inline void a8_tile_rows(int64_t rows, const uint8_t* q, const float* s, int64_t k, const uint8_t* panel,
                                 int64_t width, float* yp, int64_t ldy, int64_t n_left, const float* bias) {
   switch (rows) {
+    case 8: a8_tile<8, NP>(q, s, k, panel, width, yp, ldy, n_left, bias); break;
+    case 7: a8_tile<7, NP>(q, s, k, panel, width, yp, ldy, n_left, bias); break;
     case 6: a8_tile<6, NP>(q, s, k, panel, width, yp, ldy, n_left, bias); break;
     case 5: a8_tile<5, NP>(q, s, k, panel, width, yp, ldy, n_left, bias); break;
     case 4: a8_tile<4, NP>(q, s, k, panel, width, yp, ldy, n_left, bias); break;
@@ -1079,20 +1106,23 @@ static void a8_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool
   const int64_t panels = (n + PANEL - 1) / PANEL;
   std::vector<uint8_t> q(m * k);
   std::vector<float> s(m * blocks);
-  quantize_rows(xp, m, k, q.data(), s.data());
+  quantize_rows(xp, m, k, q.data(), s.data(), small);
 #ifdef __AVX512VNNI__
-  constexpr int64_t TILE = 6;
-  parallel((panels + 1) / 2, 1, small, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t p = 2 * pair, j = p * PANEL;
+  constexpr int64_t TILE = A8_TILE, NP = A8_NP;
+  parallel((panels + NP - 1) / NP, 1, small, [&](int64_t begin, int64_t end) {
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t p = NP * group, j = p * PANEL;
       const uint8_t* panel = w.a8 + p * width;
       const float* b = w.bias ? w.bias + j : nullptr;
       for (int64_t r = 0; r < m; r += TILE) {
         const int64_t rows = std::min(TILE, m - r);
-        if (p + 1 < panels)
-          a8_tile_rows<2>(rows, q.data() + r * k, s.data() + r * blocks, k, panel, width, yp + r * n + j, n, n - j, b);
-        else
-          a8_tile_rows<1>(rows, q.data() + r * k, s.data() + r * blocks, k, panel, width, yp + r * n + j, n, n - j, b);
+        if (p + NP <= panels) {
+          a8_tile_rows<NP>(rows, q.data() + r * k, s.data() + r * blocks, k, panel, width, yp + r * n + j, n, n - j, b);
+        } else {
+          for (int64_t i = p; i < panels; ++i)
+            a8_tile_rows<1>(rows, q.data() + r * k, s.data() + r * blocks, k, w.a8 + i * width, width,
+                            yp + r * n + i * PANEL, n, n - i * PANEL, w.bias ? w.bias + i * PANEL : nullptr);
+        }
       }
     }
   });
@@ -1106,7 +1136,7 @@ static void a8_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool
         for (int64_t f = 0; f < PANEL && p * PANEL + f < n; ++f) {
           float total = 0.f;
           for (int64_t b = 0; b < blocks; ++b) {
-            int32_t dot = -sums[b * PANEL + f];
+            int32_t dot = sums[b * PANEL + f];
             for (int64_t c = b * A8_BLOCK; c < (b + 1) * A8_BLOCK; ++c)
               dot += int32_t(q[r * k + c]) * int32_t(int8_t(panel[((c / 4) * PANEL + f) * 4 + c % 4]));
             total += float(dot) * s[r * blocks + b];
