@@ -30,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write each mode's generated tokens to this JSON file (to compare runs, e.g. dtypes)")
     parser.add_argument("--modes", default="jitney,hf-cb,hf-static",
                         help="comma-separated: jitney, jitney-nocache (prefix caching off), jitney-nospec "
-                             "(speculative decoding off), jitney-int8 / jitney-w8a8 (int8 weights / and activations), hf-cb (transformers continuous batching), hf-static "
-                             "(transformers generate), llama-cpp / llama-cpp-q4 (llama.cpp on the same weights in F32 "
+                             "(speculative decoding off), jitney-int8 / jitney-w8a8 (int8 weights / and activations), "
+                             "hf-cb (transformers continuous batching), hf-static (transformers generate), llama-cpp / llama-cpp-q4 (llama.cpp on the same weights in F32 "
                              "/ the embedded Q4_1; `make bench-peers`)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies: one jitney run each")
     parser.add_argument("--scheduler", default="fifo", help="jitney's scheduler (a registered name)")
@@ -392,8 +392,9 @@ def main(args) -> int:
             print(f"{row['mode']}: {row['same_tokens_as_first']:.1%} of the requests' tokens identical to "
                   f"{rows[0]['mode']}'s, {row['same_prefix_as_first']:.1%} of the tokens before each one's first difference")
     if len(work) == 1:
+        shares = ", ".join(f"{row['mode']} {row['weight_read_share']:.0%}" for row in rows)
         print("one stream, share of the fp32 weight-read limit (one token a pass over the fp32 weights; speculative "
-              "steps take several, int8 and 4-bit weights read less): " + ", ".join(f"{row['mode']} {row['weight_read_share']:.0%}" for row in rows))
+              f"steps take several, int8 and 4-bit weights read less): {shares}")
     for row in rows:
         if row.get("draft_tokens"):
             print(f"{row['mode']}: {row['speculative_steps']} speculative steps of {row['steps']}, "

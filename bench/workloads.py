@@ -8,7 +8,7 @@ Workload = list[tuple[list[int], int]]
 
 
 def mixed_64(vocab_size: int, count: int = 64) -> Workload:
-    """64 requests, prompts and outputs of 16-256 tokens (DESIGN.md's reference workload)."""
+    """64 requests (or the first `count`), prompts and outputs of 16-256 tokens (DESIGN.md's reference workload)."""
     lengths = random.Random(1234)
     sizes = []
     for _ in range(count):
@@ -103,8 +103,8 @@ def chat_4(tokenizer) -> Workload:
 # (single-chat and chat-4 take the tokenizer, the others the vocabulary size)
 WORKLOADS = {
     "single-stream": single_stream, "single-chat": single_chat, "chat-4": chat_4,
-    "mixed-64": mixed_64, "mixed-16": mixed_16, "long-context": long_context, "long-prompt": long_prompt, "shared-prefix": shared_prefix, "multi-prefix": multi_prefix,
-    "sharegpt-like": sharegpt_like,
+    "mixed-64": mixed_64, "mixed-16": mixed_16, "long-context": long_context, "long-prompt": long_prompt,
+    "shared-prefix": shared_prefix, "multi-prefix": multi_prefix, "sharegpt-like": sharegpt_like,
 }
 
 
@@ -124,17 +124,23 @@ ARRIVING = {"decode-4": decoding, "decode-4+long": lambda vocab: decoding(vocab,
 
 
 MODEL_SHAPES = {
-    "tinyllama-1.1b-random": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
-                                  intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048),
+    "tinyllama-1.1b-random": ("Llama", dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
+                                            num_key_value_heads=4, intermediate_size=5632, vocab_size=32000,
+                                            max_position_embeddings=2048)),
+    "qwen3-0.6b-random": ("Qwen3", dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                                        num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                                        tie_word_embeddings=True, max_position_embeddings=40960)),
 }
-"""Models benchmarked by their shape (random weights, fp32; `jitney bench --model NAME`): TinyLlama-1.1B's."""
+"""Models benchmarked by their shape (random weights, fp32; `jitney bench --model NAME`): TinyLlama-1.1B's and
+Qwen3-0.6B's."""
 
 
 def shaped_model(name: str):
-    """A Llama of the shape `MODEL_SHAPES[name]`, random weights (seeded), no tokenizer."""
+    """A model of the shape `MODEL_SHAPES[name]`, random weights (seeded), no tokenizer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    family, shape = MODEL_SHAPES[name]
     torch.manual_seed(0)
-    config = LlamaConfig(**MODEL_SHAPES[name], bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    return LlamaForCausalLM(config).eval()
+    config = getattr(transformers, f"{family}Config")(**shape, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    return getattr(transformers, f"{family}ForCausalLM")(config).eval()

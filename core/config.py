@@ -67,7 +67,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     oneDNN where it cannot be built; faster, keeps a packed copy of the weights while the engine runs). `None`:
     on where available."""
     fuse_cpu_layers: bool | None = None
-    """On CPU, run Llama-like fp32 decoder layers (Llama, Mistral, Qwen2) as a dozen calls each: C++ RMSNorm,
+    """On CPU, run Llama-like fp32 decoder layers (Llama, Mistral, Qwen2, Qwen3) as a dozen calls each: C++ RMSNorm,
     rotary and SiLU, one linear each over the q/k/v and the gate/up weights stacked (`kernels/cpu_layers.py`).
     `None`: on where the weights are packed and the C++ kernels build."""
 
@@ -84,7 +84,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     weights: Literal["int8", "w8a8"] | None = None
     """`None`: the model's weights as loaded. `"int8"`: on CPU, every fp32 linear layer (the LM head included)
     computes through a copy of its weights rounded to int8, each output feature on its own scale (its largest
-    magnitude / 127), with fp32 rows and fp32 sums (`kernels/cpu_linear.PanelLinear(int8=True)`): a quarter of the
+    magnitude / 127), with fp32 rows and fp32 sums (`kernels/cpu_linear.PanelLinear(quantized="int8")`): a quarter of the
     bytes a step reads, so steps of a few rows, bound by reading the weights, run faster (SmolLM2 on the 2-core
     machine: docs/benchmarks.md); steps of many rows compute as much as in fp32. Tokens differ from fp32 now and
     then (measured in docs/benchmarks.md); deterministic and batch-invariant like fp32. Needs an fp32 model on the

@@ -1583,6 +1583,36 @@ static void rotary_rows(float* xp, int64_t t, int64_t stride, const float* cp, c
   });
 }
 
+// RMSNorm of each query and key head, in place (Qwen3's q_norm and k_norm, before the rotary embedding): of
+// each of the m rows of y (`stride` floats apart), the first `heads` heads of d with weight `qw`, the next
+// `kv_heads` with `kw`; `rms_rows`'s arithmetic over rows of d.
+static void head_norm_rows(float* y, int64_t m, int64_t stride, int64_t heads, int64_t kv_heads, int64_t d, const float* qw,
+                           const float* kw, double eps, bool small) {
+  parallel(m, 1, small, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < heads + kv_heads; ++i) {
+        float* x = y + r * stride + i * d;
+        const float* w = i < heads ? qw : kw;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t j = 0; j < d; ++j) ss += x[j] * x[j];
+        const float inv = 1.f / std::sqrt(ss / (float)d + (float)eps);
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) x[j] = w[j] * (x[j] * inv);
+      }
+  });
+}
+
+// `head_norm_rows` on x ([T, >= (heads + kv_heads) * D], rows contiguous), in place.
+void head_norm_(torch::Tensor x, int64_t heads, int64_t kv_heads, torch::Tensor qw, torch::Tensor kw, double eps) {
+  const int64_t d = qw.numel();
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat && qw.is_contiguous() &&
+              kw.is_contiguous() && qw.scalar_type() == torch::kFloat && kw.scalar_type() == torch::kFloat &&
+              kw.numel() == d && (heads + kv_heads) * d <= x.size(1), "head_norm_: fp32 rows, one weight of D per kind");
+  head_norm_rows(x.data_ptr<float>(), x.size(0), x.stride(0), heads, kv_heads, d, qw.data_ptr<float>(), kw.data_ptr<float>(),
+                 eps, false);
+}
+
 // Rotary position embedding, in place, on the first `heads` heads of each row of x ([T, >= heads * D]).
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
   TORCH_CHECK(x.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous() && x.scalar_type() == torch::kFloat &&
@@ -1681,7 +1711,8 @@ std::vector<int64_t> argmax_rows(torch::Tensor x) {
 class FusedDecoder {
  public:
   // Per layer: {input norm, q/k/v panels, their bias, o panels, bias, post-attention norm, gate/up panels, bias,
-  // down panels, bias} (an empty tensor: no bias), its two norms' epsilons and its window (0: none); then the
+  // down panels, bias, q norm, k norm} (an empty tensor: no bias, no per-head norm), its three norms' epsilons
+  // (input, post-attention, per-head) and its window (0: none); then the
   // final norm's weight and epsilon, the LM head's panels and bias; `gated`: the gate/up panels are from
   // `pack_panels_gated` (else stacked, their SiLU a pass of its own).
   FusedDecoder(std::vector<std::vector<torch::Tensor>> layers, std::vector<double> eps, std::vector<int64_t> windows,
@@ -1690,13 +1721,19 @@ class FusedDecoder {
       : tensors_(std::move(layers)), eps_(std::move(eps)), windows_(std::move(windows)), heads_(heads),
         kv_heads_(kv_heads), dim_(dim), scaling_(scaling), norm_t_(norm.contiguous()), norm_eps_(norm_eps),
         head_t_(head), head_bias_t_(head_bias) {
-    TORCH_CHECK(eps_.size() == 2 * tensors_.size() && windows_.size() == tensors_.size(), "FusedDecoder: per-layer settings");
+    TORCH_CHECK(eps_.size() == 3 * tensors_.size() && windows_.size() == tensors_.size(), "FusedDecoder: per-layer settings");
     const int64_t c = norm_t_.numel(), qkv_width = (heads + 2 * kv_heads) * dim;
     for (const auto& t : tensors_) {
-      TORCH_CHECK(t.size() == 10 && t[0].numel() == c && t[5].numel() == c, "FusedDecoder: 10 tensors per layer");
+      TORCH_CHECK(t.size() == 12 && t[0].numel() == c && t[5].numel() == c, "FusedDecoder: 12 tensors per layer");
+      TORCH_CHECK(t[10].numel() == t[11].numel() && (t[10].numel() == 0 || t[10].numel() == dim),
+                  "FusedDecoder: per-head norms of head_dim, both or neither");
       Layer l;
       l.norm_in = t[0].data_ptr<float>();
       l.norm_post = t[5].data_ptr<float>();
+      if (t[10].numel()) {
+        l.q_norm = t[10].data_ptr<float>();
+        l.k_norm = t[11].data_ptr<float>();
+      }
       l.qkv = panels_of(t[1], qkv_width, t[2]);
       l.o = panels_of(t[3], c, t[4]);
       l.down = panels_of(t[8], c, t[9]);
@@ -1805,8 +1842,9 @@ class FusedDecoder {
       const int64_t* tp = tables[g].data_ptr<int64_t>();
       float* kp = kc.data_ptr<float>();
       float* vp = vc.data_ptr<float>();
-      rms_rows(xp, nullptr, l.norm_in, eps_[2 * i], m, c, hn.get(), nullptr, small);
+      rms_rows(xp, nullptr, l.norm_in, eps_[3 * i], m, c, hn.get(), nullptr, small);
       panel_rows(hn.get(), m, l.qkv, y.get(), small);
+      if (l.q_norm) head_norm_rows(y.get(), m, qkv_width, h, kvh, d, l.q_norm, l.k_norm, eps_[3 * i + 2], small);
       rotary_rows(y.get(), m, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), d, h + kvh, small);
       for (int64_t r = 0; r < m; ++r) {  // this step's keys and values into the cache
         const float* kr = y.get() + r * qkv_width + h * d;
@@ -1826,7 +1864,7 @@ class FusedDecoder {
                           attn.get() + nd * h * d, scaling_, windows_[i], block_size);
       attention_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - attention_start).count();
       panel_rows(attn.get(), m, l.o, o.get(), small);
-      rms_rows(o.get(), xp, l.norm_post, eps_[2 * i + 1], m, c, hn.get(), sum.get(), small);
+      rms_rows(o.get(), xp, l.norm_post, eps_[3 * i + 1], m, c, hn.get(), sum.get(), small);
       if (gated) {
         panel_rows(hn.get(), m, l.gate_up, act.get(), small);
       } else {
@@ -1852,6 +1890,8 @@ class FusedDecoder {
   struct Layer {
     const float* norm_in;
     const float* norm_post;
+    const float* q_norm = nullptr;  // Qwen3's per-head norms (else none)
+    const float* k_norm = nullptr;
     Panels qkv, o, gate_up, down;
   };
   std::vector<std::vector<torch::Tensor>> tensors_;  // keeps the weights the raw pointers read alive
@@ -1883,6 +1923,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("b"), py::arg("gated") = false, nogil);
   m.def("rms_norm", &rms_norm, nogil);
   m.def("rotary_", &rotary_, nogil);
+  m.def("head_norm_", &head_norm_, nogil);
   m.def("silu_mul", &silu_mul, nogil);
   m.def("argmax_rows", &argmax_rows, nogil);
   py::class_<FusedDecoder>(m, "FusedDecoder")

@@ -8,8 +8,8 @@ SiLU·up in the same pass (C++; where the MLP's width is not a multiple of 16, s
 pass of its own), the down projection and the residual add. Linears go through `cpu_linear.PanelLinear` (one packed copy
 of the stacked weights, C++).
 
-Supported: transformers' Llama, Mistral and Qwen2 decoder layers with SiLU MLPs, fp32 on CPU; other layers
-run unchanged.
+Supported: transformers' Llama, Mistral, Qwen2 and Qwen3 (per-head query and key norms, C++) decoder layers with
+SiLU MLPs, fp32 on CPU; other layers run unchanged.
 
 Where every decoder layer of a Llama, Mistral or Qwen2 causal LM is fused, steps skip even those calls:
 `FusedDecoder` runs all the layers, the final norm and the LM head in one C++ call (the same kernels in the
@@ -45,7 +45,10 @@ def _module_window(layer) -> int | None:
 
 
 # Where each supported layer class (whose forward is replicated here) takes its attention's window from.
-WINDOW_OF = {"LlamaDecoderLayer": _no_window, "MistralDecoderLayer": _config_window, "Qwen2DecoderLayer": _module_window}
+WINDOW_OF = {"LlamaDecoderLayer": _no_window, "MistralDecoderLayer": _config_window, "Qwen2DecoderLayer": _module_window,
+             "Qwen3DecoderLayer": _module_window}
+HEAD_NORMS = {"Qwen3DecoderLayer"}
+"""Layers that normalise each query and key head (`q_norm`, `k_norm`) before the rotary embedding."""
 
 
 def supported(layer: nn.Module) -> bool:
@@ -54,12 +57,17 @@ def supported(layer: nn.Module) -> bool:
         return False
     attn, mlp = layer.self_attn, layer.mlp
     linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    weights = [m.weight for m in linears] + [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if type(layer).__name__ in HEAD_NORMS:
+        norms += [attn.q_norm, attn.k_norm]
+        if any(n.weight.numel() != attn.head_dim for n in norms[2:]):
+            return False
+    weights = [m.weight for m in linears] + [n.weight for n in norms]
     return (
         all(type(m) is nn.Linear for m in linears)
         and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in weights)
         and type(mlp.act_fn).__name__ == "SiLUActivation"
-        and hasattr(layer.input_layernorm, "variance_epsilon")
+        and all(hasattr(n, "variance_epsilon") and "forward" not in vars(n) for n in norms)
     )
 
 
@@ -102,7 +110,8 @@ class FusedLayers:
 
 
 # Causal LMs whose forward is embed -> rotary angles -> every decoder layer -> final norm -> LM head, nothing else.
-DECODER_MODELS = {"LlamaForCausalLM": "LlamaModel", "MistralForCausalLM": "MistralModel", "Qwen2ForCausalLM": "Qwen2Model"}
+DECODER_MODELS = {"LlamaForCausalLM": "LlamaModel", "MistralForCausalLM": "MistralModel", "Qwen2ForCausalLM": "Qwen2Model",
+                  "Qwen3ForCausalLM": "Qwen3Model"}
 
 
 class FusedDecoder:
@@ -146,12 +155,14 @@ class FusedDecoder:
         `gated`: every gate/up from `pack_panels_gated`)."""
         model = self.model
         specs, eps, windows = [], [], []
-        empty = torch.empty(0)  # no bias
+        empty = torch.empty(0)  # no bias, no per-head norm
         for layer, (qkv, qkv_b, o, o_b, gate_up, gate_up_b, down, down_b) in zip(model.model.layers, layers):
+            heads = _head_norms(layer)
             tensors = [layer.input_layernorm.weight.detach(), qkv, qkv_b, o, o_b, layer.post_attention_layernorm.weight.detach(),
-                       gate_up, gate_up_b, down, down_b]
+                       gate_up, gate_up_b, down, down_b, *(n.weight.detach() if n else None for n in heads)]
             specs.append([empty if t is None else t.contiguous() for t in tensors])
-            eps += [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon]
+            eps += [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
+                    heads[0].variance_epsilon if heads[0] else 0.0]
             windows.append(WINDOW_OF[type(layer).__name__](layer) or 0)
         attn = model.model.layers[0].self_attn
         dim, norm = attn.head_dim, model.model.norm
@@ -262,8 +273,16 @@ class _LayerLinears:
         self.down = _stacked([mlp.down_proj], quantized)
 
 
+def _head_norms(layer: nn.Module) -> tuple:
+    """The layer's per-head query and key norms, or (None, None)."""
+    if type(layer).__name__ in HEAD_NORMS:
+        return layer.self_attn.q_norm, layer.self_attn.k_norm
+    return None, None
+
+
 def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):
     attn = layer.self_attn
+    q_norm, k_norm = _head_norms(layer)
     qkv, o_proj, gate_up, down = linears.qkv, linears.o, linears.gate_up, linears.down
     dim = attn.head_dim
     heads, kv_heads = attn.q_proj.out_features // dim, attn.k_proj.out_features // dim
@@ -277,6 +296,8 @@ def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):
         t = x.shape[0]
         h, _ = kernels.rms_norm(x, None, norm_in.weight, norm_in.variance_epsilon)
         y = qkv(h)  # [T, (heads + 2 kv_heads) * dim]
+        if q_norm is not None:
+            kernels.head_norm_(y, heads, kv_heads, q_norm.weight, k_norm.weight, q_norm.variance_epsilon)
         cos, sin = (c if c.is_contiguous() else c.contiguous() for c in position_embeddings)  # [1, T, dim]
         kernels.rotary_(y, cos, sin, heads + kv_heads)
         q = y[:, : heads * dim].view(t, heads, dim).transpose(0, 1)[None]

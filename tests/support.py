@@ -92,6 +92,24 @@ def tiny_qwen2(seed: int = 0):
     return model
 
 
+def tiny_qwen3(seed: int = 0):
+    """Per-head query and key norms (Qwen3's attention), their weights varied so that they count."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+        pad_token_id=0,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.normal_(1, 0.5)
+    return model
+
+
 @contextmanager
 def serving(app, lifespan: str = "on"):
     """`app` on a free loopback port, in a thread; yields its URL."""

@@ -6,7 +6,7 @@ import anyio
 import pytest
 import torch
 import torch.nn.functional as F
-from support import random_requests, reference, tiny_gemma2, tiny_mistral, tiny_qwen2
+from support import random_requests, reference, tiny_gemma2, tiny_mistral, tiny_qwen2, tiny_qwen3
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
@@ -51,6 +51,25 @@ def test_rotary_in_place_matches_transformers(kernels, rows):
     assert torch.equal(y[:, (heads + kv_heads) * dim :], v)  # values are not turned
 
 
+@pytest.mark.parametrize("rows", [1, 3, 300])
+def test_head_norm_matches_qwen3s_norms(kernels, rows):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    heads, kv_heads, d = 4, 2, 16
+    q_norm, k_norm = Qwen3RMSNorm(d, eps=1e-6), Qwen3RMSNorm(d, eps=1e-6)
+    with torch.no_grad():
+        q_norm.weight.normal_(1, 0.5)
+        k_norm.weight.normal_(1, 0.5)
+    y = torch.randn(rows, (heads + 2 * kv_heads) * d)  # q, k, v heads of each row
+    ref = y.clone()
+    ref[:, : heads * d] = q_norm(y[:, : heads * d].view(rows, heads, d)).reshape(rows, -1)
+    ref[:, heads * d : (heads + kv_heads) * d] = k_norm(y[:, heads * d : (heads + kv_heads) * d].view(rows, kv_heads, d)).reshape(rows, -1)
+    kernels.head_norm_(y, heads, kv_heads, q_norm.weight.detach(), k_norm.weight.detach(), 1e-6)
+    torch.testing.assert_close(y, ref, atol=1e-6, rtol=1e-5)  # (the values untouched too)
+    with pytest.raises(RuntimeError, match="head_norm_"):
+        kernels.head_norm_(y, heads, kv_heads, torch.ones(d), torch.ones(d + 1), 1e-6)
+
+
 def test_silu_mul_matches_torch(kernels):
     gu = torch.randn(7, 2 * 50) * 4
     torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gu[:, :50]) * gu[:, 50:], atol=1e-6, rtol=1e-5)
@@ -84,7 +103,7 @@ async def _run(model, work, **config):
     return [results[i] for i in range(len(work))], fused
 
 
-@pytest.mark.parametrize("make", [None, tiny_mistral, tiny_qwen2], ids=["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("make", [None, tiny_mistral, tiny_qwen2, tiny_qwen3], ids=["llama", "mistral", "qwen2", "qwen3"])
 async def test_fused_layers_match_generate_and_leave_the_model_as_it_was(llama, make, kernels, monkeypatch):
     model = llama if make is None else make()
     mixed = []  # steps with prefill chunks, each in one call too
@@ -119,7 +138,7 @@ async def test_fusing_off_keeps_transformers_layers(llama):
     assert got == [reference(llama, p, n) for p, n in work]
 
 
-@pytest.mark.parametrize("make", [None, tiny_mistral, tiny_qwen2], ids=["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("make", [None, tiny_mistral, tiny_qwen2, tiny_qwen3], ids=["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("streams", [1, 7])
 async def test_decode_steps_run_the_whole_model_in_one_call_and_match_generate(llama, make, streams, kernels, monkeypatch):
     model = llama if make is None else make()
