@@ -618,9 +618,6 @@ torch::Tensor pack_panels_gated(torch::Tensor gate, torch::Tensor up) {
   return out;
 }
 
-// int8 weights laid out as `pack_panels` lays out fp32 ones: the row blocks `qs` ([N_i, K] int8 each) stacked,
-// `scales` [N] fp32 each output feature's scale (rounded in torch by `cpu_linear.int8_weights`): [ceil(N / 16),
-// K * 16 + 64] bytes, each panel's K * 16 weights followed by its 16 scales. A quarter of fp32's bytes.
 // Output features and input width of the int8 row blocks `qs` stacked, checked against their `scales`.
 static std::pair<int64_t, int64_t> int8_stacked_shape(const std::vector<torch::Tensor>& qs, const torch::Tensor& scales) {
   const auto [n, k] = stacked_shape(qs, torch::kChar);
@@ -629,6 +626,9 @@ static std::pair<int64_t, int64_t> int8_stacked_shape(const std::vector<torch::T
   return {n, k};
 }
 
+// int8 weights laid out as `pack_panels` lays out fp32 ones: the row blocks `qs` ([N_i, K] int8 each) stacked,
+// `scales` [N] fp32 each output feature's scale (rounded in torch by `cpu_linear.int8_weights`): [ceil(N / 16),
+// K * 16 + 64] bytes, each panel's K * 16 weights followed by its 16 scales. A quarter of fp32's bytes.
 torch::Tensor pack_panels_int8(std::vector<torch::Tensor> qs, torch::Tensor scales) {
   const auto [n, k] = int8_stacked_shape(qs, scales);
   const int64_t width = k * PANEL + PANEL * 4;
@@ -826,7 +826,7 @@ static inline void qpanel_tile_rows(int64_t rows, const float* xp, int64_t k, co
 }
 
 #ifdef __AVX512F__
-// ROWS rows (one or two) x NP int8 panels on 512-bit vectors: each panel's 16 weights a column widened once,
+// ROWS rows (one to six) x NP int8 panels on 512-bit vectors: each panel's 16 weights a column widened once,
 // ROWS * NP accumulator chains (enough to keep both FMA pipes busy at one row), the sums scaled at the end.
 // Each output sums the same products in the same order as the many-row path below, so that a row's outputs do
 // not depend on the rows computed with it.
@@ -1079,8 +1079,8 @@ static inline void a8_tile_rows(int64_t rows, const uint8_t* q, const float* s, 
 #endif
 
 // y = x @ w.T (+ b) over `pack_panels_w8a8` weights, x's rows rounded to int8 first (`quantize_rows`). Threads
-// split the panels in pairs; rows go through in tiles of up to six. Without AVX-512 VNNI, the same sums in
-// scalar code (correct, slow).
+// split the panels in groups of four; rows go through in tiles of up to three. Without AVX-512 VNNI, the same
+// sums in scalar code (correct, slow).
 static void a8_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small) {
   const int64_t k = w.k, n = w.n, width = w8a8_width(k), blocks = k / A8_BLOCK;
   const int64_t panels = (n + PANEL - 1) / PANEL;
