@@ -124,15 +124,19 @@ ARRIVING = {"decode-4": decoding, "decode-4+long": lambda vocab: decoding(vocab,
 
 
 MODEL_SHAPES = {
-    "tinyllama-1.1b-random": ("Llama", dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
-                                            num_key_value_heads=4, intermediate_size=5632, vocab_size=32000,
-                                            max_position_embeddings=2048)),
-    "qwen3-0.6b-random": ("Qwen3", dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-                                        num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
-                                        tie_word_embeddings=True, max_position_embeddings=40960)),
+    "tinyllama-1.1b-random": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, intermediate_size=5632,
+        vocab_size=32000, max_position_embeddings=2048)),
+    "qwen3-0.6b-random": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960)),
+    "gemma3-270m-random": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_size=640, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        intermediate_size=2048, vocab_size=262144, query_pre_attn_scalar=256, sliding_window=512,
+        max_position_embeddings=32768)),
 }
-"""Models benchmarked by their shape (random weights, fp32; `jitney bench --model NAME`): TinyLlama-1.1B's and
-Qwen3-0.6B's."""
+"""Models benchmarked by their shape (random weights, fp32; `jitney bench --model NAME`): TinyLlama-1.1B's,
+Qwen3-0.6B's and Gemma-3-270M's (config class, model class, config fields)."""
 
 
 def shaped_model(name: str):
@@ -140,7 +144,7 @@ def shaped_model(name: str):
     import torch
     import transformers
 
-    family, shape = MODEL_SHAPES[name]
+    config_class, model_class, shape = MODEL_SHAPES[name]
     torch.manual_seed(0)
-    config = getattr(transformers, f"{family}Config")(**shape, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    return getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    config = getattr(transformers, config_class)(**shape, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    return getattr(transformers, model_class)(config).eval()

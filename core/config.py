@@ -67,7 +67,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     oneDNN where it cannot be built; faster, keeps a packed copy of the weights while the engine runs). `None`:
     on where available."""
     fuse_cpu_layers: bool | None = None
-    """On CPU, run Llama-like fp32 decoder layers (Llama, Mistral, Qwen2, Qwen3) as a dozen calls each: C++ RMSNorm,
+    """On CPU, run Llama-like fp32 decoder layers (Llama, Mistral, Qwen2, Qwen3, Phi3) as a dozen calls each: C++ RMSNorm,
     rotary and SiLU, one linear each over the q/k/v and the gate/up weights stacked (`kernels/cpu_layers.py`).
     `None`: on where the weights are packed and the C++ kernels build."""
 

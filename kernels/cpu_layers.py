@@ -8,8 +8,9 @@ SiLU·up in the same pass (C++; where the MLP's width is not a multiple of 16, s
 pass of its own), the down projection and the residual add. Linears go through `cpu_linear.PanelLinear` (one packed copy
 of the stacked weights, C++).
 
-Supported: transformers' Llama, Mistral, Qwen2 and Qwen3 (per-head query and key norms, C++) decoder layers with
-SiLU MLPs, fp32 on CPU; other layers run unchanged.
+Supported: transformers' Llama, Mistral, Qwen2, Qwen3 (per-head query and key norms, C++) and Phi3 (q/k/v and
+gate/up already one linear each; rotary over whole heads) decoder layers with SiLU MLPs, fp32 on CPU; other
+layers run unchanged.
 
 Where every decoder layer of a Llama, Mistral or Qwen2 causal LM is fused, steps skip even those calls:
 `FusedDecoder` runs all the layers, the final norm and the LM head in one C++ call (the same kernels in the
@@ -46,9 +47,27 @@ def _module_window(layer) -> int | None:
 
 # Where each supported layer class (whose forward is replicated here) takes its attention's window from.
 WINDOW_OF = {"LlamaDecoderLayer": _no_window, "MistralDecoderLayer": _config_window, "Qwen2DecoderLayer": _module_window,
-             "Qwen3DecoderLayer": _module_window}
+             "Qwen3DecoderLayer": _module_window, "Phi3DecoderLayer": _config_window}
 HEAD_NORMS = {"Qwen3DecoderLayer"}
 """Layers that normalise each query and key head (`q_norm`, `k_norm`) before the rotary embedding."""
+STACKED_PROJECTIONS = {"Phi3DecoderLayer"}
+"""Layers whose q/k/v and gate/up projections are one linear each already (`qkv_proj`, `gate_up_proj`)."""
+
+
+def _groups(layer: nn.Module) -> tuple[list[nn.Linear], list[nn.Linear], list[nn.Linear], list[nn.Linear]]:
+    """A supported layer's linears as the fused path computes them, each group as one: q/k/v, o, gate/up, down."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(layer).__name__ in STACKED_PROJECTIONS:
+        return [attn.qkv_proj], [attn.o_proj], [mlp.gate_up_proj], [mlp.down_proj]
+    return [attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]
+
+
+def _heads(layer: nn.Module) -> tuple[int, int]:
+    """Query and key/value heads of a supported layer, from its projections' widths."""
+    qkv, (o,), _, _ = _groups(layer)
+    dim = layer.self_attn.head_dim
+    heads = o.in_features // dim
+    return heads, (sum(m.out_features for m in qkv) - heads * dim) // (2 * dim)
 
 
 def supported(layer: nn.Module) -> bool:
@@ -56,7 +75,9 @@ def supported(layer: nn.Module) -> bool:
     if type(layer).__name__ not in WINDOW_OF or "forward" in vars(layer):
         return False
     attn, mlp = layer.self_attn, layer.mlp
-    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    linears = [m for group in _groups(layer) for m in group]
+    act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+    rope = getattr(attn.config, "rope_parameters", None) or {}
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if type(layer).__name__ in HEAD_NORMS:
         norms += [attn.q_norm, attn.k_norm]
@@ -66,7 +87,8 @@ def supported(layer: nn.Module) -> bool:
     return (
         all(type(m) is nn.Linear for m in linears)
         and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in weights)
-        and type(mlp.act_fn).__name__ == "SiLUActivation"
+        and type(act).__name__ == "SiLUActivation"
+        and rope.get("partial_rotary_factor", 1.0) == 1.0  # (the rotary kernel turns whole heads)
         and all(hasattr(n, "variance_epsilon") and "forward" not in vars(n) for n in norms)
     )
 
@@ -90,11 +112,10 @@ class FusedLayers:
         packs = {}
         for layer in self.model.modules():
             if supported(layer):
-                attn, mlp = layer.self_attn, layer.mlp
                 packs[layer] = _LayerLinears(layer, self.quantized)
                 layer.forward = _fused_forward(layer, packs[layer], kernels)
                 self.patched.append(layer)
-                self.linears.update([attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj])
+                self.linears.update(m for group in _groups(layer) for m in group)
         if whole:
             head = self.model.lm_head
             head.forward = packed_head = _stacked([head], self.quantized)  # the decoder's and the model's forward share it
@@ -111,7 +132,7 @@ class FusedLayers:
 
 # Causal LMs whose forward is embed -> rotary angles -> every decoder layer -> final norm -> LM head, nothing else.
 DECODER_MODELS = {"LlamaForCausalLM": "LlamaModel", "MistralForCausalLM": "MistralModel", "Qwen2ForCausalLM": "Qwen2Model",
-                  "Qwen3ForCausalLM": "Qwen3Model"}
+                  "Qwen3ForCausalLM": "Qwen3Model", "Phi3ForCausalLM": "Phi3Model"}
 
 
 class FusedDecoder:
@@ -166,8 +187,7 @@ class FusedDecoder:
             windows.append(WINDOW_OF[type(layer).__name__](layer) or 0)
         attn = model.model.layers[0].self_attn
         dim, norm = attn.head_dim, model.model.norm
-        return self.kernels.FusedDecoder(specs, eps, windows, attn.q_proj.out_features // dim, attn.k_proj.out_features // dim,
-                                         dim, attn.scaling, norm.weight.detach(), norm.variance_epsilon, head,
+        return self.kernels.FusedDecoder(specs, eps, windows, *_heads(model.model.layers[0]), dim, attn.scaling, norm.weight.detach(), norm.variance_epsilon, head,
                                          model.lm_head.out_features, empty if head_bias is None else head_bias, gated)
 
     @property
@@ -179,9 +199,8 @@ class FusedDecoder:
             pack = cpu_linear.pack_int8
             layers = []
             for layer in self.model.model.layers:
-                attn, mlp = layer.self_attn, layer.mlp
                 packed = []
-                for linears in ([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]):
+                for linears in _groups(layer):
                     packed += [pack([m.weight.detach() for m in linears]), _stacked_bias(linears)]
                 layers.append(packed)
             head = self.model.lm_head
@@ -262,15 +281,17 @@ class _LayerLinears:
     the MLP's width is a multiple of 16 and the weights fp32; else stacked) and down."""
 
     def __init__(self, layer: nn.Module, quantized: str | None = None):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _stacked([attn.q_proj, attn.k_proj, attn.v_proj], quantized)
-        self.o = _stacked([attn.o_proj], quantized)
-        gate_up = [mlp.gate_proj, mlp.up_proj]
-        if mlp.gate_proj.out_features % 16 == 0 and not quantized:
-            self.gate_up = cpu_linear.PanelLinear([m.weight.detach() for m in gate_up], _stacked_bias(gate_up), gated=True)
+        qkv, o, gate_up, down = _groups(layer)
+        self.qkv = _stacked(qkv, quantized)
+        self.o = _stacked(o, quantized)
+        width = sum(m.out_features for m in gate_up) // 2  # the MLP's
+        if width % 16 == 0 and not quantized:
+            weights = [m.weight.detach() for m in gate_up]
+            gate_and_up = weights if len(weights) == 2 else list(weights[0].split(width))  # (one linear: its halves)
+            self.gate_up = cpu_linear.PanelLinear(gate_and_up, _stacked_bias(gate_up), gated=True)
         else:
             self.gate_up = _stacked(gate_up, quantized)
-        self.down = _stacked([mlp.down_proj], quantized)
+        self.down = _stacked(down, quantized)
 
 
 def _head_norms(layer: nn.Module) -> tuple:
@@ -285,7 +306,7 @@ def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):
     q_norm, k_norm = _head_norms(layer)
     qkv, o_proj, gate_up, down = linears.qkv, linears.o, linears.gate_up, linears.down
     dim = attn.head_dim
-    heads, kv_heads = attn.q_proj.out_features // dim, attn.k_proj.out_features // dim
+    heads, kv_heads = _heads(layer)
     norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
     window = WINDOW_OF[type(layer).__name__](layer)
 

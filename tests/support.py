@@ -110,6 +110,19 @@ def tiny_qwen3(seed: int = 0):
     return model
 
 
+def tiny_phi3(seed: int = 0):
+    """q/k/v and gate/up each one linear already (Phi3's), a sliding window of 8."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Phi3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, sliding_window=8, bos_token_id=None, eos_token_id=None,
+        pad_token_id=0,
+    )
+    return Phi3ForCausalLM(config).eval()
+
+
 @contextmanager
 def serving(app, lifespan: str = "on"):
     """`app` on a free loopback port, in a thread; yields its URL."""

@@ -6,7 +6,7 @@ import anyio
 import pytest
 import torch
 import torch.nn.functional as F
-from support import random_requests, reference, tiny_gemma2, tiny_mistral, tiny_qwen2, tiny_qwen3
+from support import random_requests, reference, tiny_gemma2, tiny_mistral, tiny_phi3, tiny_qwen2, tiny_qwen3
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
@@ -103,7 +103,8 @@ async def _run(model, work, **config):
     return [results[i] for i in range(len(work))], fused
 
 
-@pytest.mark.parametrize("make", [None, tiny_mistral, tiny_qwen2, tiny_qwen3], ids=["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("make", [None, tiny_mistral, tiny_qwen2, tiny_qwen3, tiny_phi3],
+                         ids=["llama", "mistral", "qwen2", "qwen3", "phi3"])
 async def test_fused_layers_match_generate_and_leave_the_model_as_it_was(llama, make, kernels, monkeypatch):
     model = llama if make is None else make()
     mixed = []  # steps with prefill chunks, each in one call too
@@ -131,6 +132,22 @@ async def test_unsupported_layers_run_as_they_are(kernels):
     assert got == refs
 
 
+async def test_partial_rotary_runs_layer_by_layer(kernels):
+    # the rotary kernel turns whole heads: a Phi3 rotating half of each head is not fused, and still exact
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    model = Phi3ForCausalLM(Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope,
+                                       bos_token_id=None, eos_token_id=None, pad_token_id=0)).eval()
+    assert not cpu_layers.supported(model.model.layers[0])
+    work = random_requests(3, 256, max_prompt=20, max_new=8, seed=4)
+    got, fused = await _run(model, work, fuse_cpu_layers=True)
+    assert not fused
+    assert got == [reference(model, p, n) for p, n in work]
+
+
 async def test_fusing_off_keeps_transformers_layers(llama):
     work = random_requests(3, 256, max_prompt=20, max_new=6, seed=7)
     got, fused = await _run(llama, work, fuse_cpu_layers=False)
@@ -138,7 +155,8 @@ async def test_fusing_off_keeps_transformers_layers(llama):
     assert got == [reference(llama, p, n) for p, n in work]
 
 
-@pytest.mark.parametrize("make", [None, tiny_mistral, tiny_qwen2, tiny_qwen3], ids=["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("make", [None, tiny_mistral, tiny_qwen2, tiny_qwen3, tiny_phi3],
+                         ids=["llama", "mistral", "qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize("streams", [1, 7])
 async def test_decode_steps_run_the_whole_model_in_one_call_and_match_generate(llama, make, streams, kernels, monkeypatch):
     model = llama if make is None else make()
