@@ -61,30 +61,27 @@ def random_requests(n: int, vocab: int, max_prompt: int = 60, max_new: int = 24,
     return [([rng.randrange(3, vocab) for _ in range(rng.randint(1, max_prompt))], rng.randint(1, max_new)) for _ in range(n)]
 
 
-def tiny_gemma2(seed: int = 0, window: int = 8):
-    """Alternating sliding-window and full-attention layers (soft-capping off)."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+def _tiny(name: str, seed: int, **kw):
+    """transformers' `{name}ForCausalLM` at the tiny models' size (vocabulary 256, hidden 64, two layers, four
+    heads, no end-of-sequence token), seeded; `kw` overrides or adds config fields."""
+    import transformers
 
     torch.manual_seed(seed)
-    config = Gemma2Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=window,
-        attn_logit_softcapping=None, final_logit_softcapping=None, query_pre_attn_scalar=16,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )
-    return Gemma2ForCausalLM(config).eval()
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    config = getattr(transformers, f"{name}Config")(**{**base, **kw})
+    return getattr(transformers, f"{name}ForCausalLM")(config).eval()
+
+
+def tiny_gemma2(seed: int = 0, window: int = 8):
+    """Alternating sliding-window and full-attention layers (soft-capping off)."""
+    return _tiny("Gemma2", seed, num_hidden_layers=4, head_dim=16, sliding_window=window, attn_logit_softcapping=None,
+                 final_logit_softcapping=None, query_pre_attn_scalar=16)
 
 
 def tiny_qwen2(seed: int = 0):
     """Biases on q/k/v (Qwen2's attention)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )
-    model = Qwen2ForCausalLM(config).eval()
+    model = _tiny("Qwen2", seed)
     with torch.no_grad():  # random init leaves the biases at zero: make them count
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -94,15 +91,7 @@ def tiny_qwen2(seed: int = 0):
 
 def tiny_qwen3(seed: int = 0):
     """Per-head query and key norms (Qwen3's attention), their weights varied so that they count."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
-        pad_token_id=0,
-    )
-    model = Qwen3ForCausalLM(config).eval()
+    model = _tiny("Qwen3", seed, head_dim=16)
     with torch.no_grad():
         for layer in model.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
@@ -112,15 +101,7 @@ def tiny_qwen3(seed: int = 0):
 
 def tiny_phi3(seed: int = 0):
     """q/k/v and gate/up each one linear already (Phi3's), a sliding window of 8."""
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Phi3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, sliding_window=8, bos_token_id=None, eos_token_id=None,
-        pad_token_id=0,
-    )
-    return Phi3ForCausalLM(config).eval()
+    return _tiny("Phi3", seed, sliding_window=8)
 
 
 @contextmanager
