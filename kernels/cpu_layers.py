@@ -12,7 +12,7 @@ Supported: transformers' Llama, Mistral, Qwen2, Qwen3 (per-head query and key no
 gate/up already one linear each; rotary over whole heads) decoder layers with SiLU MLPs, fp32 on CPU; other
 layers run unchanged.
 
-Where every decoder layer of a Llama, Mistral or Qwen2 causal LM is fused, steps skip even those calls:
+Where every decoder layer of a causal LM in `DECODER_MODELS` is fused, steps skip even those calls:
 `FusedDecoder` runs all the layers, the final norm and the LM head in one C++ call (the same kernels in the
 same order, over the same packed weights), the embedding and rotary angles through the model's own modules.
 At batch 1 on SmolLM2 the Python between the layers was ~4 ms of a ~23 ms step; in mixed-64's prefill steps
@@ -187,8 +187,9 @@ class FusedDecoder:
             windows.append(WINDOW_OF[type(layer).__name__](layer) or 0)
         attn = model.model.layers[0].self_attn
         dim, norm = attn.head_dim, model.model.norm
-        return self.kernels.FusedDecoder(specs, eps, windows, *_heads(model.model.layers[0]), dim, attn.scaling, norm.weight.detach(), norm.variance_epsilon, head,
-                                         model.lm_head.out_features, empty if head_bias is None else head_bias, gated)
+        return self.kernels.FusedDecoder(specs, eps, windows, *_heads(model.model.layers[0]), dim, attn.scaling,
+                                         norm.weight.detach(), norm.variance_epsilon, head, model.lm_head.out_features,
+                                         empty if head_bias is None else head_bias, gated)
 
     @property
     def draft(self):
