@@ -52,7 +52,6 @@ def score(model, ids: torch.Tensor, window: int) -> tuple[float, torch.Tensor]:
 
 def main(args: argparse.Namespace) -> int:
     from jitney.core.models import load_model
-
     from jitney.kernels import cpu_linear, native
 
     kinds = args.weights.split(",")

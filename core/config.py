@@ -86,8 +86,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     computes through a copy of its weights rounded to int8, each output feature on its own scale (its largest
     magnitude / 127), with fp32 rows and fp32 sums (`kernels/cpu_linear.PanelLinear(quantized="int8")`): a quarter of the
     bytes a step reads, so steps of a few rows, bound by reading the weights, run faster (SmolLM2 on the 2-core
-    machine: docs/benchmarks.md); steps of many rows compute as much as in fp32. Tokens differ from fp32 now and
-    then (measured in docs/benchmarks.md); deterministic and batch-invariant like fp32. Needs an fp32 model on the
+    machine: docs/benchmarks.md); steps of many rows compute as much as in fp32. Tokens are not fp32's: greedy text
+    parts from fp32's at near-ties (perplexity and agreement in docs/benchmarks.md); deterministic and batch-invariant like fp32. Needs an fp32 model on the
     CPU and jitney's C++ kernels (a `ValueError` at start-up otherwise); the engine's model keeps its own weights,
     the int8 copies live while the engine runs. Speculation is off by default (the draft would be the model itself).
     `"w8a8"`: the same int8 weights, and each linear's input rounded to int8 too, in blocks of 32 inputs each on
