@@ -226,14 +226,16 @@ def calibrate(model, tokenizer, model_name: str, **config_fields) -> StepProfile
 
 def host_overhead(model) -> tuple[float, float]:
     """The engine's own time per step on this machine, its forward costing nothing (`bench/overhead.py`:
-    scheduler, cache manager, building the step's inputs, the forward thread's hop, the bus), at 16 and 128
+    scheduler, cache manager, building the step's inputs, the forward thread's hop, the bus), at 1, 16 and 128
     decoding requests: (seconds a step, seconds more a decode row). `model`: any (meta) model."""
     from jitney.bench.overhead import measure
 
-    small, large = (measure(model, None, requests=n, new_tokens=48, check_model=False, speculative_tokens=0)
-                    for n in (16, 128))
-    per_row = max(0.0, (large["step_ms_mean"] - small["step_ms_mean"]) / (128 - 16) / 1000)
-    return max(0.0, small["step_ms_mean"] / 1000 - 16 * per_row), per_row
+    one, small, large = (measure(model, None, requests=n, new_tokens=48, check_model=False, speculative_tokens=0)
+                         ["step_ms_mean"] / 1000 for n in (1, 16, 128))
+    per_row = max(0.0, (large - small) / (128 - 16))
+    # A step's own cost from one request, not extrapolated back from 16: on a busy machine the 16 -> 128 slope
+    # is noisy, and 16 rows of it could exceed the step's whole time (a measured 0 overhead).
+    return max(0.0, one - per_row), per_row
 
 
 def analytic(model, tflops: float, gbps: float, dtype_bytes: int = 2, name: str = "model",
