@@ -522,7 +522,8 @@ struct Panels {
   int64_t n = 0, k = 0;
   const int8_t* q = nullptr;  // set instead of `p` for `pack_panels_int8` weights
   const uint8_t* a8 = nullptr;  // set instead of `p` for `pack_panels_w8a8` weights (int8 activations too)
-  bool gated = false;  // `pack_panels_gated` weights: the output is silu(gate) * up, n / 2 features
+  bool gated = false;  // `pack_panels_gated` weights: the output is act(gate) * up, n / 2 features
+  int64_t act = 0;  // the gate's activation (`Activation`)
 };
 
 // Packed weights are carved out of 2 MiB-aligned chunks of at least 32 MiB advised for transparent huge pages
@@ -1129,16 +1130,36 @@ static void a8_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool
 #endif
 }
 
-// silu(gate) * up for `rows` rows of a tile through a gate panel and its up panel: t holds each row's 16 gate
-// outputs then its 16 up outputs; the same arithmetic as `silu_rows`.
-static inline void gated_store(const float* t, int64_t rows, float* y, int64_t ldy) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* g = t + r * 2 * PANEL;
-    const float* u = g + PANEL;
-    float* o = y + r * ldy;
+// A gated MLP's activation of its gate: SiLU (Llama and most), GeLU's tanh approximation (Gemma's
+// gelu_pytorch_tanh).
+enum Activation : int64_t { SILU = 0, GELU_TANH = 1 };
+
+// Both as g / (1 + exp(z)), z at most 80: past it the result is 0 to float precision either way, and the file is
+// built with fast-math, which assumes no infinities (exp's overflow gave NaNs).
+static inline float silu(float g) { return g / (1.f + expf(std::min(-g, 80.f))); }
+
+// 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), as torch computes it, written as g / (1 + exp(-2u)):
+// the same function (1 + tanh(u) = 2 / (1 + exp(-2u))), through exp, which vectorises as SiLU's does.
+static inline float gelu_tanh(float g) {
+  const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  return g / (1.f + expf(std::min(-2.f * u, 80.f)));
+}
+
+// o[i] = act(g[i]) * u[i] for n outputs.
+static inline void gate_times_up(const float* g, const float* u, int64_t n, float* o, int64_t act) {
+  if (act == GELU_TANH) {
 #pragma omp simd
-    for (int64_t i = 0; i < PANEL; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    for (int64_t i = 0; i < n; ++i) o[i] = gelu_tanh(g[i]) * u[i];
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) o[i] = silu(g[i]) * u[i];
   }
+}
+
+// act(gate) * up for `rows` rows of a tile through a gate panel and its up panel: t holds each row's 16 gate
+// outputs then its 16 up outputs; the same arithmetic as `gated_rows`.
+static inline void gated_store(const float* t, int64_t rows, float* y, int64_t ldy, int64_t act) {
+  for (int64_t r = 0; r < rows; ++r) gate_times_up(t + r * 2 * PANEL, t + r * 2 * PANEL + PANEL, PANEL, y + r * ldy, act);
 }
 
 // y += a over a tile's rows x cols (both `ld` floats a row): the residual added where the tile was just stored.
@@ -1151,7 +1172,7 @@ static inline void add_tile(float* y, const float* a, int64_t rows, int64_t cols
 // y = x @ w.T (+ b) ([M, K] -> [M, N]) over `pack_panels` weights. Threads split the panels; rows go through
 // in tiles of up to 6 (12 accumulators), blocks of rows sized so that x stays in L2 while a panel is reused
 // (with 512-bit vectors, more than three rows take the tiles of `panel_tile16` instead).
-// With gated weights (`pack_panels_gated`) y is [M, N / 2], silu(gate) * up (`gated_store`, tile by tile).
+// With gated weights (`pack_panels_gated`) y is [M, N / 2], act(gate) * up (`gated_store`, tile by tile).
 // `add` ([M, N] like y), where given, is added to each tile as soon as it is stored (a decoder layer's residual,
 // without a pass of its own: a 20-decode + 236-token step of SmolLM2 184 -> 178-182 ms, the same process
 // alternating); not with gated weights.
@@ -1195,7 +1216,7 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
               float t[TILE16 * 2 * PANEL];
               panel_tile16_rows<TILE16>(rows, xp + r * k, k, panel, panel + k * PANEL, t, 2 * PANEL, PANEL, b,
                                         r == first ? next : nullptr);
-              gated_store(t, rows, yp + r * ny + j / 2, ny);
+              gated_store(t, rows, yp + r * ny + j / 2, ny, w.act);
             } else {
               panel_tile16_rows<TILE16>(rows, xp + r * k, k, panel, panel + k * PANEL, yp + r * n + j, n, cols2, b,
                                         r == first ? next : nullptr);
@@ -1234,7 +1255,7 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
               panel_tile_rows(rows, xp + r * k, k, panel + k * PANEL, t + PANEL, 2 * PANEL, PANEL, b ? b + PANEL : nullptr,
                               r == first && next ? next + k * PANEL : nullptr);
             }
-            gated_store(t, rows, yp + r * ny + i * PANEL, ny);
+            gated_store(t, rows, yp + r * ny + i * PANEL, ny, w.act);
           }
         }
       });
@@ -1274,7 +1295,8 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
   }
 }
 
-static Panels panels_of(const torch::Tensor& packed, int64_t n, const torch::Tensor& bias, bool gated = false) {
+static Panels panels_of(const torch::Tensor& packed, int64_t n, const torch::Tensor& bias, bool gated = false,
+                        int64_t act = SILU) {
   Panels w;
   if (packed.scalar_type() == torch::kByte) {  // `pack_panels_w8a8`
     const int64_t k = (packed.size(1) - PANEL * 4) / (PANEL + PANEL * 4 / A8_BLOCK);
@@ -1298,14 +1320,18 @@ static Panels panels_of(const torch::Tensor& packed, int64_t n, const torch::Ten
     w.bias = bias.data_ptr<float>();
   }
   TORCH_CHECK(!gated || (!w.q && !w.a8 && n % (2 * PANEL) == 0), "panel_linear: gated weights from pack_panels_gated");
+  TORCH_CHECK(act == SILU || act == GELU_TANH, "panel_linear: activation 0 (SiLU) or 1 (GeLU, tanh)");
   w.gated = gated;
+  w.act = act;
   return w;
 }
 
 // x [M, K] -> [M, N] through weights packed by `pack_panels` (n: their output features); `gated`: weights from
-// `pack_panels_gated` (n: gate's and up's features together, the bias in their panels' order) -> [M, N / 2].
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> b, bool gated) {
-  const Panels w = panels_of(packed, n, b.has_value() ? *b : torch::Tensor(), gated);
+// `pack_panels_gated` (n: gate's and up's features together, the bias in their panels' order) -> [M, N / 2],
+// `act` (`Activation`) of the gate times up.
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> b, bool gated,
+                           int64_t act) {
+  const Panels w = panels_of(packed, n, b.has_value() ? *b : torch::Tensor(), gated, act);
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) == w.k,
               "panel_linear: contiguous fp32 [M, K]");
   auto y = torch::empty({x.size(0), gated ? n / 2 : n}, x.options());
@@ -1601,24 +1627,19 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t head
   rotary_rows(x.data_ptr<float>(), t, x.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), d, heads, false);
 }
 
-// The gated MLP's activation on t rows: [2n] (gate then up) -> [n], silu(gate) * up.
-static void silu_rows(const float* gp, int64_t t, int64_t n, float* op, bool small) {
+// The gated MLP's activation on t rows: [2n] (gate then up) -> [n], act(gate) * up (`Activation`).
+static void gated_rows(const float* gp, int64_t t, int64_t n, float* op, bool small, int64_t act) {
   parallel(t, row_grain(n), small, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = gp + r * 2 * n;
-      const float* u = g + n;
-      float* o = op + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-    }
+    for (int64_t r = begin; r < end; ++r) gate_times_up(gp + r * 2 * n, gp + r * 2 * n + n, n, op + r * n, act);
   });
 }
 
-torch::Tensor silu_mul(torch::Tensor gu) {
-  TORCH_CHECK(gu.is_contiguous() && gu.scalar_type() == torch::kFloat && gu.size(1) % 2 == 0, "silu_mul: contiguous fp32 [T, 2I]");
+torch::Tensor gated_act(torch::Tensor gu, int64_t act) {
+  TORCH_CHECK(gu.is_contiguous() && gu.scalar_type() == torch::kFloat && gu.size(1) % 2 == 0, "gated_act: contiguous fp32 [T, 2I]");
+  TORCH_CHECK(act == SILU || act == GELU_TANH, "gated_act: activation 0 (SiLU) or 1 (GeLU, tanh)");
   const int64_t t = gu.size(0), n = gu.size(1) / 2;
   auto out = torch::empty({t, n}, gu.options());
-  silu_rows(gu.data_ptr<float>(), t, n, out.data_ptr<float>(), false);
+  gated_rows(gu.data_ptr<float>(), t, n, out.data_ptr<float>(), false, act);
   return out;
 }
 
@@ -1688,34 +1709,50 @@ std::vector<int64_t> argmax_rows(torch::Tensor x) {
 // ~0.15 ms a layer at any batch).
 class FusedDecoder {
  public:
-  // Per layer: {input norm, q/k/v panels, their bias, o panels, bias, post-attention norm, gate/up panels, bias,
-  // down panels, bias, q norm, k norm} (an empty tensor: no bias, no per-head norm), its three norms' epsilons
-  // (input, post-attention, per-head) and its window (0: none); then the
-  // final norm's weight and epsilon, the LM head's panels and bias; `gated`: the gate/up panels are from
-  // `pack_panels_gated` (else stacked, their SiLU a pass of its own).
+  // Per layer: {input norm, q/k/v panels, their bias, o panels, bias, the MLP's input norm, gate/up panels, bias,
+  // down panels, bias, q norm, k norm, attention output norm, MLP output norm} (an empty tensor: no bias, no such
+  // norm; each norm's weight as it multiplies), its five norms' epsilons (in that order: input, MLP input,
+  // per-head, attention output, MLP output) and its window (0: none); then the final norm's weight and epsilon,
+  // the LM head's panels and bias; `gated`: the gate/up panels are from `pack_panels_gated` (else stacked, their
+  // activation a pass of its own); `act`: the gate's `Activation`. `rope_of_layer`: which set of rotary angles
+  // each layer takes (empty: all the first; Gemma3's local and global layers turn at different rates);
+  // `softcap` > 0: attention scores soft-capped (Gemma2), `final_softcap` > 0: the logits too; `embed_scale`:
+  // the embedding's scale (Gemma's sqrt(hidden)), for the tokens `propose` embeds itself.
   FusedDecoder(std::vector<std::vector<torch::Tensor>> layers, std::vector<double> eps, std::vector<int64_t> windows,
                int64_t heads, int64_t kv_heads, int64_t dim, double scaling, torch::Tensor norm, double norm_eps,
-               torch::Tensor head, int64_t vocab, torch::Tensor head_bias, bool gated)
-      : tensors_(std::move(layers)), eps_(std::move(eps)), windows_(std::move(windows)), heads_(heads),
-        kv_heads_(kv_heads), dim_(dim), scaling_(scaling), norm_t_(norm.contiguous()), norm_eps_(norm_eps),
-        head_t_(head), head_bias_t_(head_bias) {
-    TORCH_CHECK(eps_.size() == 3 * tensors_.size() && windows_.size() == tensors_.size(), "FusedDecoder: per-layer settings");
+               torch::Tensor head, int64_t vocab, torch::Tensor head_bias, bool gated, int64_t act,
+               std::vector<int64_t> rope_of_layer, double softcap, double final_softcap, double embed_scale)
+      : tensors_(std::move(layers)), eps_(std::move(eps)), windows_(std::move(windows)),
+        rope_of_layer_(std::move(rope_of_layer)), heads_(heads), kv_heads_(kv_heads), dim_(dim), scaling_(scaling),
+        softcap_(softcap), final_softcap_(final_softcap), embed_scale_(embed_scale), norm_t_(norm.contiguous()),
+        norm_eps_(norm_eps), head_t_(head), head_bias_t_(head_bias) {
+    TORCH_CHECK(eps_.size() == 5 * tensors_.size() && windows_.size() == tensors_.size(), "FusedDecoder: per-layer settings");
+    if (rope_of_layer_.empty()) rope_of_layer_.assign(tensors_.size(), 0);
+    TORCH_CHECK(rope_of_layer_.size() == tensors_.size(), "FusedDecoder: one set of rotary angles per layer");
+    for (int64_t r : rope_of_layer_) {
+      TORCH_CHECK(r >= 0, "FusedDecoder: rotary angle sets");
+      rope_sets_ = std::max(rope_sets_, r + 1);
+    }
     const int64_t c = norm_t_.numel(), qkv_width = (heads + 2 * kv_heads) * dim;
     for (const auto& t : tensors_) {
-      TORCH_CHECK(t.size() == 12 && t[0].numel() == c && t[5].numel() == c, "FusedDecoder: 12 tensors per layer");
+      TORCH_CHECK(t.size() == 14 && t[0].numel() == c && t[5].numel() == c, "FusedDecoder: 14 tensors per layer");
       TORCH_CHECK(t[10].numel() == t[11].numel() && (t[10].numel() == 0 || t[10].numel() == dim),
                   "FusedDecoder: per-head norms of head_dim, both or neither");
+      TORCH_CHECK((t[12].numel() == 0 || t[12].numel() == c) && (t[13].numel() == 0 || t[13].numel() == c),
+                  "FusedDecoder: output norms of the hidden size");
       Layer l;
       l.norm_in = t[0].data_ptr<float>();
-      l.norm_post = t[5].data_ptr<float>();
+      l.norm_mlp = t[5].data_ptr<float>();
       if (t[10].numel()) {
         l.q_norm = t[10].data_ptr<float>();
         l.k_norm = t[11].data_ptr<float>();
       }
+      if (t[12].numel()) l.norm_attn_out = t[12].data_ptr<float>();
+      if (t[13].numel()) l.norm_mlp_out = t[13].data_ptr<float>();
       l.qkv = panels_of(t[1], qkv_width, t[2]);
       l.o = panels_of(t[3], c, t[4]);
       l.down = panels_of(t[8], c, t[9]);
-      l.gate_up = panels_of(t[6], 2 * l.down.k, t[7], gated);
+      l.gate_up = panels_of(t[6], 2 * l.down.k, t[7], gated, act);
       TORCH_CHECK(l.qkv.k == c && l.o.k == heads * dim && l.gate_up.k == c, "FusedDecoder: projection shapes");
       layers_.push_back(l);
     }
@@ -1723,7 +1760,8 @@ class FusedDecoder {
     TORCH_CHECK(head_.k == c, "FusedDecoder: LM head shape");
   }
 
-  // A decode step: x [M, C] the token embeddings, cos/sin [M, D] their rotary angles; keys/values per layer the
+  // A decode step: x [M, C] the token embeddings, cos/sin [M, D] their rotary angles (with several sets,
+  // [sets, M, D]); keys/values per layer the
   // cache's [slots, kv_heads, D] views of head-major storage; tables per layer group [M, W] int64; ctx [M] each
   // row's context length including its new token (written at position ctx - 1). Returns the logits [M, vocab].
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
@@ -1746,17 +1784,21 @@ class FusedDecoder {
   }
 
   // k greedy tokens after each row's token `ids` ([M] int64), one `forward` each with no Python between them
-  // (the draft of a speculative step): pass j embeds each row's latest token (rows of `embedding` [V, C]) at
-  // position ctx - 1 + j with the angles cos/sin[:, j] ([M, >= k, D]). Returns [M, k] int64.
+  // (the draft of a speculative step): pass j embeds each row's latest token (rows of `embedding` [V, C], times
+  // the embedding's scale) at position ctx - 1 + j with the angles cos/sin[..., j, :] ([(sets,) M, >= k, D]).
+  // Returns [M, k] int64.
   torch::Tensor propose(torch::Tensor embedding, torch::Tensor ids, torch::Tensor cos, torch::Tensor sin,
                         std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<torch::Tensor> tables,
                         std::vector<int64_t> group_of_layer, torch::Tensor ctx, int64_t block_size, int64_t k) {
-    TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && cos.dim() == 3 && cos.size(0) == ids.size(0) &&
-                cos.size(1) >= k && sin.sizes() == cos.sizes(), "FusedDecoder.propose: ids [M], angles [M, >= k, D]");
+    TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && cos.dim() >= 3 && cos.size(-3) == ids.size(0) &&
+                cos.size(-2) >= k && sin.sizes() == cos.sizes(), "FusedDecoder.propose: ids [M], angles [(sets,) M, >= k, D]");
     auto out = torch::empty({ids.size(0), k}, ids.options());
     torch::Tensor last = ids;
+    const int64_t at = cos.dim() - 2;
     for (int64_t j = 0; j < k; ++j) {
-      const auto logits = forward(embedding.index_select(0, last), cos.select(1, j).contiguous(), sin.select(1, j).contiguous(),
+      auto x = embedding.index_select(0, last);
+      if (embed_scale_ != 1.0) x.mul_((float)embed_scale_);  // as the model's embedding: times its fp32 scale
+      const auto logits = forward(x, cos.select(at, j).contiguous(), sin.select(at, j).contiguous(),
                                   keys, values, tables, group_of_layer, ctx + j, block_size);
       last = torch::tensor(argmax_rows(logits), ids.options());
       out.select(1, j).copy_(last);
@@ -1773,8 +1815,9 @@ class FusedDecoder {
     const bool small = m <= 2;  // on the pool (see `parallel`)
     const size_t num_layers = layers_.size();
     TORCH_CHECK(x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && ctx.is_contiguous() &&
-                x.scalar_type() == torch::kFloat && ctx.scalar_type() == torch::kLong && cos.numel() == m * d &&
-                sin.numel() == m * d && c == norm_t_.numel(), "FusedDecoder: contiguous fp32 rows and angles, int64 lengths");
+                x.scalar_type() == torch::kFloat && ctx.scalar_type() == torch::kLong && cos.numel() == rope_sets_ * m * d &&
+                sin.numel() == rope_sets_ * m * d && c == norm_t_.numel(),
+                "FusedDecoder: contiguous fp32 rows and angles (one set per kind of layer), int64 lengths");
     TORCH_CHECK(keys.size() == num_layers && values.size() == num_layers && group_of_layer.size() == num_layers,
                 "FusedDecoder: one cache tensor per layer");
     TORCH_CHECK((int64_t)qlens.size() == requests && decodes >= 0 && decodes <= requests, "FusedDecoder: one query length per request");
@@ -1820,10 +1863,11 @@ class FusedDecoder {
       const int64_t* tp = tables[g].data_ptr<int64_t>();
       float* kp = kc.data_ptr<float>();
       float* vp = vc.data_ptr<float>();
-      rms_rows(xp, nullptr, l.norm_in, eps_[3 * i], m, c, hn.get(), nullptr, small);
+      rms_rows(xp, nullptr, l.norm_in, eps_[5 * i], m, c, hn.get(), nullptr, small);
       panel_rows(hn.get(), m, l.qkv, y.get(), small);
-      if (l.q_norm) head_norm_rows(y.get(), m, qkv_width, h, kvh, d, l.q_norm, l.k_norm, eps_[3 * i + 2], small);
-      rotary_rows(y.get(), m, qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(), d, h + kvh, small);
+      if (l.q_norm) head_norm_rows(y.get(), m, qkv_width, h, kvh, d, l.q_norm, l.k_norm, eps_[5 * i + 2], small);
+      const int64_t angles = rope_of_layer_[i] * m * d;
+      rotary_rows(y.get(), m, qkv_width, cos.data_ptr<float>() + angles, sin.data_ptr<float>() + angles, d, h + kvh, small);
       for (int64_t r = 0; r < m; ++r) {  // this step's keys and values into the cache
         const float* kr = y.get() + r * qkv_width + h * d;
         const float* vr = kr + kvh * d;
@@ -1835,27 +1879,37 @@ class FusedDecoder {
       const auto attention_start = std::chrono::steady_clock::now();
       if (decodes)
         decode_attention(y.get(), qkv_width, nd, h, d, kp, vp, kvh, slots_per_head, tp, width, cp, attn.get(), scaling_,
-                         windows_[i], block_size, small);
+                         windows_[i], block_size, small, (float)softcap_);
       if (decodes < requests)
         prefill_attention(y.get() + nd * qkv_width, qkv_width, m - nd, h, d, kp, vp, kvh, slots_per_head, tp + decodes * width,
                           width, cp + decodes, qlens.data() + decodes, chunk_starts.data(), requests - decodes,
-                          attn.get() + nd * h * d, scaling_, windows_[i], block_size);
+                          attn.get() + nd * h * d, scaling_, windows_[i], block_size, (float)softcap_);
       attention_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - attention_start).count();
       panel_rows(attn.get(), m, l.o, o.get(), small);
-      rms_rows(o.get(), xp, l.norm_post, eps_[3 * i + 1], m, c, hn.get(), sum.get(), small);
+      if (l.norm_attn_out) rms_rows(o.get(), nullptr, l.norm_attn_out, eps_[5 * i + 3], m, c, o.get(), nullptr, small);
+      rms_rows(o.get(), xp, l.norm_mlp, eps_[5 * i + 1], m, c, hn.get(), sum.get(), small);
       if (gated) {
         panel_rows(hn.get(), m, l.gate_up, act.get(), small);
       } else {
         panel_rows(hn.get(), m, l.gate_up, gu.get(), small);
-        silu_rows(gu.get(), m, inter, act.get(), small);
+        gated_rows(gu.get(), m, inter, act.get(), small, l.gate_up.act);
       }
-      panel_rows(act.get(), m, l.down, xp, small, sum.get());  // x = sum + down(act)
+      if (l.norm_mlp_out) {  // x = sum + norm(down(act))
+        panel_rows(act.get(), m, l.down, o.get(), small);
+        rms_rows(o.get(), nullptr, l.norm_mlp_out, eps_[5 * i + 4], m, c, o.get(), nullptr, small);
+        const float *sp = sum.get(), *op = o.get();
+#pragma omp simd
+        for (int64_t j = 0; j < m * c; ++j) xp[j] = sp[j] + op[j];
+      } else {
+        panel_rows(act.get(), m, l.down, xp, small, sum.get());  // x = sum + down(act)
+      }
     }
     const int64_t kept = keep.size();
     for (int64_t r = 0; r < kept; ++r) std::copy(xp + keep[r] * c, xp + (keep[r] + 1) * c, o.get() + r * c);
     rms_rows(o.get(), nullptr, norm_t_.data_ptr<float>(), norm_eps_, kept, c, hn.get(), nullptr, small);
     auto logits = torch::empty({kept, head_.n}, x.options());
     panel_rows(hn.get(), kept, head_, logits.data_ptr<float>(), kept <= 2);
+    if (final_softcap_ > 0) logits.div_(final_softcap_).tanh_().mul_(final_softcap_);  // as transformers' Gemma2
     return logits;
   }
 
@@ -1867,17 +1921,19 @@ class FusedDecoder {
 
   struct Layer {
     const float* norm_in;
-    const float* norm_post;
-    const float* q_norm = nullptr;  // Qwen3's per-head norms (else none)
+    const float* norm_mlp;
+    const float* q_norm = nullptr;  // per-head norms (Qwen3, Gemma3; else none)
     const float* k_norm = nullptr;
+    const float* norm_attn_out = nullptr;  // norms of the attention's and the MLP's outputs (Gemma2, Gemma3)
+    const float* norm_mlp_out = nullptr;
     Panels qkv, o, gate_up, down;
   };
   std::vector<std::vector<torch::Tensor>> tensors_;  // keeps the weights the raw pointers read alive
   std::vector<Layer> layers_;
   std::vector<double> eps_;
-  std::vector<int64_t> windows_;
-  int64_t heads_, kv_heads_, dim_;
-  double scaling_;
+  std::vector<int64_t> windows_, rope_of_layer_;
+  int64_t rope_sets_ = 1, heads_, kv_heads_, dim_;
+  double scaling_, softcap_, final_softcap_, embed_scale_;
   torch::Tensor norm_t_;
   double norm_eps_;
   torch::Tensor head_t_, head_bias_t_;
@@ -1898,15 +1954,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels_gated", &pack_panels_gated);
   m.def("pack_panels_int8", &pack_panels_int8);
   m.def("pack_panels_w8a8", &pack_panels_w8a8);
-  m.def("panel_linear", &panel_linear, py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("b"), py::arg("gated") = false, nogil);
+  m.def("panel_linear", &panel_linear, py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("b"), py::arg("gated") = false,
+        py::arg("act") = 0, nogil);
   m.def("rms_norm", &rms_norm, nogil);
   m.def("rotary_", &rotary_, nogil);
   m.def("head_norm_", &head_norm_, nogil);
-  m.def("silu_mul", &silu_mul, nogil);
+  m.def("gated_act", &gated_act, py::arg("gu"), py::arg("act") = 0, nogil);
   m.def("argmax_rows", &argmax_rows, nogil);
   py::class_<FusedDecoder>(m, "FusedDecoder")
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<double>, std::vector<int64_t>, int64_t, int64_t,
-                    int64_t, double, torch::Tensor, double, torch::Tensor, int64_t, torch::Tensor, bool>())
+                    int64_t, double, torch::Tensor, double, torch::Tensor, int64_t, torch::Tensor, bool, int64_t,
+                    std::vector<int64_t>, double, double, double>(),
+           py::arg("layers"), py::arg("eps"), py::arg("windows"), py::arg("heads"), py::arg("kv_heads"), py::arg("dim"),
+           py::arg("scaling"), py::arg("norm"), py::arg("norm_eps"), py::arg("head"), py::arg("vocab"), py::arg("head_bias"),
+           py::arg("gated") = false, py::arg("act") = 0, py::arg("rope_of_layer") = std::vector<int64_t>(),
+           py::arg("softcap") = 0.0, py::arg("final_softcap") = 0.0, py::arg("embed_scale") = 1.0)
       .def("forward", &FusedDecoder::forward, nogil)
       .def("step", &FusedDecoder::step, nogil)
       .def("propose", &FusedDecoder::propose, nogil)

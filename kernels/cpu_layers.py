@@ -4,13 +4,14 @@ transformers' decoder layer runs ~15 module calls and ~45 small torch ops per la
 those cost about a quarter of a step (~8 of ~32 ms). While `FusedLayers` is entered, each supported layer instead runs:
 RMSNorm (C++), one linear over q, k and v stacked, rotary embedding in place (C++), the engine's attention
 backend, the output projection, residual add + RMSNorm (C++), one linear over gate and up that computes
-SiLU·up in the same pass (C++; where the MLP's width is not a multiple of 16, stacked and then SiLU·up in a
+act(gate)·up in the same pass (C++; where the MLP's width is not a multiple of 16, stacked and then act(gate)·up in a
 pass of its own), the down projection and the residual add. Linears go through `cpu_linear.PanelLinear` (one packed copy
 of the stacked weights, C++).
 
-Supported: transformers' Llama, Mistral, Qwen2, Qwen3 (per-head query and key norms, C++) and Phi3 (q/k/v and
-gate/up already one linear each; rotary over whole heads) decoder layers with SiLU MLPs, fp32 on CPU; other
-layers run unchanged.
+Supported: transformers' Llama, Mistral, Qwen2, Qwen3 (per-head query and key norms, C++), Phi3 (q/k/v and
+gate/up already one linear each; rotary over whole heads) and Gemma, Gemma2, Gemma3 (norms of 1 + weight, GeLU's
+tanh approximation, norms of the attention's and the MLP's outputs, Gemma2's soft-capped attention, Gemma3's
+rotary angles per kind of layer) decoder layers, fp32 on CPU; other layers run unchanged.
 
 Where every decoder layer of a causal LM in `DECODER_MODELS` is fused, steps skip even those calls:
 `FusedDecoder` runs all the layers, the final norm and the LM head in one C++ call (the same kernels in the
@@ -47,11 +48,22 @@ def _module_window(layer) -> int | None:
 
 # Where each supported layer class (whose forward is replicated here) takes its attention's window from.
 WINDOW_OF = {"LlamaDecoderLayer": _no_window, "MistralDecoderLayer": _config_window, "Qwen2DecoderLayer": _module_window,
-             "Qwen3DecoderLayer": _module_window, "Phi3DecoderLayer": _config_window}
-HEAD_NORMS = {"Qwen3DecoderLayer"}
+             "Qwen3DecoderLayer": _module_window, "Phi3DecoderLayer": _config_window, "GemmaDecoderLayer": _no_window,
+             "Gemma2DecoderLayer": _module_window, "Gemma3DecoderLayer": _module_window}
+HEAD_NORMS = {"Qwen3DecoderLayer", "Gemma3DecoderLayer"}
 """Layers that normalise each query and key head (`q_norm`, `k_norm`) before the rotary embedding."""
 STACKED_PROJECTIONS = {"Phi3DecoderLayer"}
 """Layers whose q/k/v and gate/up projections are one linear each already (`qkv_proj`, `gate_up_proj`)."""
+OUTPUT_NORMS = {"Gemma2DecoderLayer", "Gemma3DecoderLayer"}
+"""Layers that also normalise the attention's and the MLP's outputs before adding them to the residual stream:
+`post_attention_layernorm` is then the attention output's norm, `pre_feedforward_layernorm` the MLP input's and
+`post_feedforward_layernorm` the MLP output's."""
+SOFT_CAPPED = {"Gemma2DecoderLayer"}
+"""Layers whose attention soft-caps its scores by `attn_logit_softcapping` (where set)."""
+ONE_PLUS_NORMS = {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"}
+"""RMSNorms that multiply the normalised row by 1 + weight (computed once, when the layer is packed)."""
+ACTIVATIONS = {"SiLUActivation": "silu", "GELUTanh": "gelu_tanh"}
+"""The MLP activations (by class) the fused path computes (`cpu_linear.ACTIVATIONS`)."""
 
 
 def _groups(layer: nn.Module) -> tuple[list[nn.Linear], list[nn.Linear], list[nn.Linear], list[nn.Linear]]:
@@ -60,6 +72,47 @@ def _groups(layer: nn.Module) -> tuple[list[nn.Linear], list[nn.Linear], list[nn
     if type(layer).__name__ in STACKED_PROJECTIONS:
         return [attn.qkv_proj], [attn.o_proj], [mlp.gate_up_proj], [mlp.down_proj]
     return [attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]
+
+
+def _norms(layer: nn.Module) -> dict[str, nn.Module | None]:
+    """A supported layer's RMSNorms by role: the attention's input, the MLP's input, each query and key head,
+    the attention's output and the MLP's output (None: the layer has no such norm)."""
+    attn, name = layer.self_attn, type(layer).__name__
+    outputs, heads = name in OUTPUT_NORMS, name in HEAD_NORMS
+    return {"input": layer.input_layernorm,
+            "mlp": layer.pre_feedforward_layernorm if outputs else layer.post_attention_layernorm,
+            "q": attn.q_norm if heads else None, "k": attn.k_norm if heads else None,
+            "attn_out": layer.post_attention_layernorm if outputs else None,
+            "mlp_out": layer.post_feedforward_layernorm if outputs else None}
+
+
+def _rms_norm(norm: nn.Module) -> bool:
+    """Whether `norm` is an RMSNorm this module computes: Llama's (weight x normalised row, `variance_epsilon`) or
+    Gemma's (1 + weight, `eps`), its forward unchanged."""
+    if "forward" in vars(norm):
+        return False
+    return hasattr(norm, "eps") if type(norm).__name__ in ONE_PLUS_NORMS else hasattr(norm, "variance_epsilon")
+
+
+def _multiplier(norm: nn.Module | None) -> tuple[torch.Tensor | None, float]:
+    """An RMSNorm's weight as it multiplies the normalised row (Gemma's: 1 + weight, in fp32 as its forward
+    computes it) and its epsilon; (None, 0.0) for no norm."""
+    if norm is None:
+        return None, 0.0
+    if type(norm).__name__ in ONE_PLUS_NORMS:
+        return (1.0 + norm.weight.detach().float()).contiguous(), norm.eps
+    return norm.weight.detach().contiguous(), norm.variance_epsilon
+
+
+def _activation(layer: nn.Module) -> str | None:
+    """The layer's MLP activation as `cpu_linear.ACTIVATIONS` names it, or None if not one of those."""
+    act = getattr(layer.mlp, "act_fn", None) or getattr(layer.mlp, "activation_fn", None)
+    return ACTIVATIONS.get(type(act).__name__)
+
+
+def _softcap(layer: nn.Module) -> float | None:
+    """The layer's attention soft-cap, or None."""
+    return layer.self_attn.attn_logit_softcapping if type(layer).__name__ in SOFT_CAPPED else None
 
 
 def _heads(layer: nn.Module) -> tuple[int, int]:
@@ -74,22 +127,24 @@ def supported(layer: nn.Module) -> bool:
     """Whether `layer` is a decoder layer this module runs fused."""
     if type(layer).__name__ not in WINDOW_OF or "forward" in vars(layer):
         return False
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     linears = [m for group in _groups(layer) for m in group]
-    act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
     rope = getattr(attn.config, "rope_parameters", None) or {}
-    norms = [layer.input_layernorm, layer.post_attention_layernorm]
-    if type(layer).__name__ in HEAD_NORMS:
-        norms += [attn.q_norm, attn.k_norm]
-        if any(n.weight.numel() != attn.head_dim for n in norms[2:]):
-            return False
+    if type(layer).__name__ == "Gemma3DecoderLayer":  # (one set of parameters per kind of layer)
+        rope = rope.get(attn.layer_type) or {}
+    roles = _norms(layer)
+    norms = [n for n in roles.values() if n is not None]
+    if roles["q"] is not None and (any(roles[r].weight.numel() != attn.head_dim for r in "qk")
+                                   or _multiplier(roles["q"])[1] != _multiplier(roles["k"])[1]):
+        return False  # (the per-head kernel takes both heads' norms of head_dim, with one epsilon)
     weights = [m.weight for m in linears] + [n.weight for n in norms]
     return (
         all(type(m) is nn.Linear for m in linears)
         and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in weights)
-        and type(act).__name__ == "SiLUActivation"
+        and _activation(layer) is not None
         and rope.get("partial_rotary_factor", 1.0) == 1.0  # (the rotary kernel turns whole heads)
-        and all(hasattr(n, "variance_epsilon") and "forward" not in vars(n) for n in norms)
+        and getattr(attn, "is_causal", True)
+        and all(_rms_norm(n) for n in norms)
     )
 
 
@@ -131,8 +186,13 @@ class FusedLayers:
 
 
 # Causal LMs whose forward is embed -> rotary angles -> every decoder layer -> final norm -> LM head, nothing else.
+# (Gemma's embedding scales its rows by sqrt(hidden) itself; Gemma2's and Gemma3's heads soft-cap the logits
+# where `final_logit_softcapping` is set.)
 DECODER_MODELS = {"LlamaForCausalLM": "LlamaModel", "MistralForCausalLM": "MistralModel", "Qwen2ForCausalLM": "Qwen2Model",
-                  "Qwen3ForCausalLM": "Qwen3Model", "Phi3ForCausalLM": "Phi3Model"}
+                  "Qwen3ForCausalLM": "Qwen3Model", "Phi3ForCausalLM": "Phi3Model", "GemmaForCausalLM": "GemmaModel",
+                  "Gemma2ForCausalLM": "Gemma2Model", "Gemma3ForCausalLM": "Gemma3TextModel"}
+ROTARY_PER_LAYER_TYPE = {"Gemma3TextModel"}
+"""Models whose rotary embedding gives each kind of layer (`config.layer_types`) angles of its own."""
 
 
 class FusedDecoder:
@@ -152,7 +212,8 @@ class FusedDecoder:
             and all(supported(layer) for layer in inner.layers)
             and type(head) is nn.Linear and "forward" not in vars(head)
             and head.weight.dtype == torch.float32 and head.weight.device.type == "cpu"
-            and "forward" not in vars(inner.norm) and hasattr(inner.norm, "variance_epsilon")
+            and _rms_norm(inner.norm)
+            and "forward" not in vars(inner.embed_tokens) and "forward" not in vars(inner.rotary_emb)
         )
 
     def __init__(self, model: nn.Module, packs: dict[nn.Module, "_LayerLinears"], head: cpu_linear.PanelLinear, kernels,
@@ -165,6 +226,9 @@ class FusedDecoder:
             layers.append([p.qkv.packed, p.qkv.bias, p.o.packed, p.o.bias, p.gate_up.packed, p.gate_up.bias, p.down.packed,
                            p.down.bias])
         (gated,) = {packs[layer].gate_up.gated for layer in model.model.layers}  # (one MLP width for every layer)
+        config, inner = model.config.get_text_config(), model.model
+        self.rope_types = sorted(set(config.layer_types)) if type(inner).__name__ in ROTARY_PER_LAYER_TYPE else None
+        """The kinds of layer whose angles the rotary embedding computes apart (each layer takes its kind's)."""
         self.native = self._native(layers, head.packed, head.bias, gated=gated)
         self._draft = self.native if quantized else None
         self.argmax = kernels.argmax_rows
@@ -174,22 +238,38 @@ class FusedDecoder:
                 gated: bool = False):
         """The C++ decoder over these packed linears (per layer: q/k/v, o, gate/up and down, each with its bias;
         `gated`: every gate/up from `pack_panels_gated`)."""
-        model = self.model
+        model, inner = self.model, self.model.model
+        config = model.config.get_text_config()
         specs, eps, windows = [], [], []
-        empty = torch.empty(0)  # no bias, no per-head norm
-        for layer, (qkv, qkv_b, o, o_b, gate_up, gate_up_b, down, down_b) in zip(model.model.layers, layers):
-            heads = _head_norms(layer)
-            tensors = [layer.input_layernorm.weight.detach(), qkv, qkv_b, o, o_b, layer.post_attention_layernorm.weight.detach(),
-                       gate_up, gate_up_b, down, down_b, *(n.weight.detach() if n else None for n in heads)]
+        empty = torch.empty(0)  # no bias, no such norm
+        for layer, (qkv, qkv_b, o, o_b, gate_up, gate_up_b, down, down_b) in zip(inner.layers, layers):
+            norms = {role: _multiplier(n) for role, n in _norms(layer).items()}
+            weight = {role: w for role, (w, _) in norms.items()}
+            tensors = [weight["input"], qkv, qkv_b, o, o_b, weight["mlp"], gate_up, gate_up_b, down, down_b,
+                       weight["q"], weight["k"], weight["attn_out"], weight["mlp_out"]]
             specs.append([empty if t is None else t.contiguous() for t in tensors])
-            eps += [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
-                    heads[0].variance_epsilon if heads[0] else 0.0]
+            eps += [norms[role][1] for role in ("input", "mlp", "q", "attn_out", "mlp_out")]
             windows.append(WINDOW_OF[type(layer).__name__](layer) or 0)
-        attn = model.model.layers[0].self_attn
-        dim, norm = attn.head_dim, model.model.norm
-        return self.kernels.FusedDecoder(specs, eps, windows, *_heads(model.model.layers[0]), dim, attn.scaling,
-                                         norm.weight.detach(), norm.variance_epsilon, head, model.lm_head.out_features,
-                                         empty if head_bias is None else head_bias, gated)
+        first = inner.layers[0]
+        attn, (norm, norm_eps) = first.self_attn, _multiplier(inner.norm)
+        rope_of_layer = [self.rope_types.index(t) for t in config.layer_types] if self.rope_types else []
+        scale = getattr(inner.embed_tokens, "embed_scale", None)
+        return self.kernels.FusedDecoder(
+            specs, eps, windows, *_heads(first), attn.head_dim, attn.scaling, norm, norm_eps, head,
+            model.lm_head.out_features, empty if head_bias is None else head_bias, gated=gated,
+            act=cpu_linear.ACTIVATIONS[_activation(first)], rope_of_layer=rope_of_layer, softcap=_softcap(first) or 0.0,
+            final_softcap=getattr(config, "final_logit_softcapping", None) or 0.0,
+            embed_scale=1.0 if scale is None else float(scale.to(inner.embed_tokens.weight.dtype)))
+
+    def _angles(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's cos and sin for `positions` ([1, T]): [sets, T, D] each, one set per kind of layer
+        (`rope_types`; else one)."""
+        rotary = self.model.model.rotary_emb
+        if self.rope_types is None:
+            cos, sin = rotary(x, positions)
+        else:
+            cos, sin = (torch.cat(t) for t in zip(*(rotary(x, positions, kind) for kind in self.rope_types)))
+        return cos.contiguous(), sin.contiguous()
 
     @property
     def draft(self):
@@ -211,10 +291,9 @@ class FusedDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step, started) -> torch.Tensor:
         """Logits [rows, vocab] of a decode-only step (`StepInputs` `step`, every row one token); `started()`
         is called just before the C++ call (which releases the GIL)."""
-        inner = self.model.model
-        x = inner.embed_tokens(input_ids)  # [1, rows, hidden]
-        cos, sin = inner.rotary_emb(x, positions[None])
-        x, cos, sin = x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous()
+        x = self.model.model.embed_tokens(input_ids)  # [1, rows, hidden]
+        cos, sin = self._angles(x, positions[None])
+        x = x[0].contiguous()
         started()
         return self.native.forward(x, cos, sin, step.keys, step.values, step.block_tables, step.group_of_layer,
                                    step.context_tensor, step.block_size)
@@ -222,10 +301,9 @@ class FusedDecoder:
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, step, keep: list[int], started) -> torch.Tensor:
         """Logits [len(keep), vocab] of rows `keep` of any step (prefill chunks too) in one C++ call: the same
         kernels as the fused layers' Python path, in the same order."""
-        inner = self.model.model
-        x = inner.embed_tokens(input_ids)
-        cos, sin = inner.rotary_emb(x, positions[None])
-        x, cos, sin = x[0].contiguous(), cos[0].contiguous(), sin[0].contiguous()
+        x = self.model.model.embed_tokens(input_ids)
+        cos, sin = self._angles(x, positions[None])
+        x = x[0].contiguous()
         started()
         return self.native.step(x, cos, sin, step.keys, step.values, step.block_tables, step.group_of_layer,
                                 step.context_tensor, step.query_lens, step.num_decodes, keep, step.block_size)
@@ -243,8 +321,9 @@ class FusedDecoder:
         inner = self.model.model
         rows, width = input_ids.shape[1], k + 1
         span = (positions[:, None] + torch.arange(width)).reshape(1, -1)  # [1, rows * width]
-        cos, sin = inner.rotary_emb(inner.embed_tokens.weight[:1], span)
-        cos, sin = cos[0].view(rows, width, -1), sin[0].view(rows, width, -1)
+        cos, sin = self._angles(inner.embed_tokens.weight[:1], span)
+        sets = cos.shape[0]
+        cos, sin = cos.view(sets, rows, width, -1), sin.view(sets, rows, width, -1)
         ctx, tables = step.context_tensor, step.block_tables
         draft = self.draft
         started()
@@ -252,7 +331,7 @@ class FusedDecoder:
                                  step.group_of_layer, ctx, step.block_size, k)
         ids = torch.cat([input_ids[0][:, None], proposed], 1)  # [rows, width]
         logits = self.native.forward(
-            inner.embed_tokens(ids.reshape(-1)), cos.reshape(rows * width, -1), sin.reshape(rows * width, -1), step.keys,
+            inner.embed_tokens(ids.reshape(-1)), cos.reshape(sets, rows * width, -1), sin.reshape(sets, rows * width, -1), step.keys,
             step.values, [t.repeat_interleave(width, 0) for t in tables], step.group_of_layer,
             (ctx[:, None] + torch.arange(width)).reshape(-1), step.block_size,
         )
@@ -278,56 +357,58 @@ def _stacked(linears: list[nn.Linear], quantized: str | None = None) -> cpu_line
 
 
 class _LayerLinears:
-    """A decoder layer's four packed linears: q/k/v stacked, o, gate/up (gated: SiLU·up in the same pass, where
-    the MLP's width is a multiple of 16 and the weights fp32; else stacked) and down."""
+    """A decoder layer's four packed linears: q/k/v stacked, o, gate/up (gated: the activation times up in the
+    same pass, where the MLP's width is a multiple of 16 and the weights fp32; else stacked) and down."""
 
     def __init__(self, layer: nn.Module, quantized: str | None = None):
         qkv, o, gate_up, down = _groups(layer)
         self.qkv = _stacked(qkv, quantized)
         self.o = _stacked(o, quantized)
+        self.activation = _activation(layer)
         width = sum(m.out_features for m in gate_up) // 2  # the MLP's
         if width % 16 == 0 and not quantized:
             weights = [m.weight.detach() for m in gate_up]
             gate_and_up = weights if len(weights) == 2 else list(weights[0].split(width))  # (one linear: its halves)
-            self.gate_up = cpu_linear.PanelLinear(gate_and_up, _stacked_bias(gate_up), gated=True)
+            self.gate_up = cpu_linear.PanelLinear(gate_and_up, _stacked_bias(gate_up), gated=True,
+                                                  activation=self.activation)
         else:
             self.gate_up = _stacked(gate_up, quantized)
         self.down = _stacked(down, quantized)
 
 
-def _head_norms(layer: nn.Module) -> tuple:
-    """The layer's per-head query and key norms, or (None, None)."""
-    if type(layer).__name__ in HEAD_NORMS:
-        return layer.self_attn.q_norm, layer.self_attn.k_norm
-    return None, None
-
-
 def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):
     attn = layer.self_attn
-    q_norm, k_norm = _head_norms(layer)
+    norms = {role: _multiplier(n) for role, n in _norms(layer).items()}
+    (q_norm, eps), (k_norm, _) = norms["q"], norms["k"]
     qkv, o_proj, gate_up, down = linears.qkv, linears.o, linears.gate_up, linears.down
+    act = cpu_linear.ACTIVATIONS[linears.activation]
     dim = attn.head_dim
     heads, kv_heads = _heads(layer)
-    norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
     window = WINDOW_OF[type(layer).__name__](layer)
+    softcap = {"softcap": _softcap(layer)} if _softcap(layer) is not None else {}
 
     def forward(hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                 position_embeddings=None, **kwargs):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1]).contiguous()
         t = x.shape[0]
-        h, _ = kernels.rms_norm(x, None, norm_in.weight, norm_in.variance_epsilon)
+        h, _ = kernels.rms_norm(x, None, *norms["input"])
         y = qkv(h)  # [T, (heads + 2 kv_heads) * dim]
         if q_norm is not None:
-            kernels.head_norm_(y, heads, kv_heads, q_norm.weight, k_norm.weight, q_norm.variance_epsilon)
+            kernels.head_norm_(y, heads, kv_heads, q_norm, k_norm, eps)
         cos, sin = (c if c.is_contiguous() else c.contiguous() for c in position_embeddings)  # [1, T, dim]
         kernels.rotary_(y, cos, sin, heads + kv_heads)
         q = y[:, : heads * dim].view(t, heads, dim).transpose(0, 1)[None]
         k = y[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim).transpose(0, 1)[None]
         v = y[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim).transpose(0, 1)[None]
-        out, _ = jitney_attention(attn, q, k, v, None, scaling=attn.scaling, sliding_window=window, **kwargs)
-        h, x = kernels.rms_norm(o_proj(out.reshape(t, heads * dim)), x, norm_post.weight, norm_post.variance_epsilon)
-        x = x + down(gate_up(h) if gate_up.gated else kernels.silu_mul(gate_up(h)))
-        return x.view(shape)
+        out, _ = jitney_attention(attn, q, k, v, None, scaling=attn.scaling, sliding_window=window, **softcap, **kwargs)
+        a = o_proj(out.reshape(t, heads * dim))
+        if norms["attn_out"][0] is not None:
+            a, _ = kernels.rms_norm(a, None, *norms["attn_out"])
+        h, x = kernels.rms_norm(a, x, *norms["mlp"])
+        m = down(gate_up(h) if gate_up.gated else kernels.gated_act(gate_up(h), act))
+        if norms["mlp_out"][0] is not None:
+            m, _ = kernels.rms_norm(m, None, *norms["mlp_out"])
+        return (x + m).view(shape)
 
     return forward

@@ -66,12 +66,17 @@ class PackedLinears:
         self.patched = []
 
 
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+"""A gated MLP's activations the kernels compute, by the codes of `Activation` in `cpu_kernels.cpp`."""
+
+
 class PanelLinear:
     """`x @ W.T + bias` for fp32 CPU rows, W the row blocks `weights` stacked (one linear over q, k and v
     projections), through one packed copy (`packed`, made here; the weights themselves are not kept).
 
     `gated`: `weights` are a gated MLP's gate and up projections ([I, K] each, I a multiple of 16, `bias` theirs
-    stacked) and the layer computes silu(x @ gate.T) * (x @ up.T) [.., I] in one pass (`pack_panels_gated`).
+    stacked) and the layer computes act(x @ gate.T) * (x @ up.T) [.., I] in one pass (`pack_panels_gated`), act
+    the `activation` named (one of `ACTIVATIONS`: SiLU, or GeLU's tanh approximation).
     `quantized`: the packed copy holds each output feature's weights rounded to int8 on its own scale (its largest
     magnitude / 127; `int8_weights`), a quarter of the bytes. "int8": rows and sums stay fp32. "w8a8": the rows
     are rounded to int8 too, each block of 32 inputs on its own scale (`int8_activations`), their products summed
@@ -79,13 +84,16 @@ class PanelLinear:
     Not with `gated`."""
 
     def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, gated: bool = False,
-                 quantized: str | None = None):
+                 quantized: str | None = None, activation: str = "silu"):
         if quantized not in (None, "int8", "w8a8"):
             raise ValueError(f"PanelLinear: quantized is None, 'int8' or 'w8a8', not {quantized!r}")
         if gated and quantized:
             raise ValueError("PanelLinear: int8 weights are not packed gated (stack gate and up instead)")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"PanelLinear: activation is one of {sorted(ACTIVATIONS)}, not {activation!r}")
         kernels = native.load()
         self.gated = gated
+        self.act = ACTIVATIONS[activation]
         if quantized:
             self.packed = pack_int8(weights, activations=quantized == "w8a8")
         else:
@@ -101,7 +109,8 @@ class PanelLinear:
         flat = x.reshape(-1, x.shape[-1])
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        return self._kernel(flat, self.packed, self.width, self.bias, self.gated).view(*x.shape[:-1], self.out_features)
+        return self._kernel(flat, self.packed, self.width, self.bias, self.gated, self.act).view(*x.shape[:-1],
+                                                                                                 self.out_features)
 
 
 def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ back to torch: `available()` says which.
   block tables, with soft-capping and attention sinks where a model has them (`kernels/cpu_paged.py`).
 - `pack_panels`, `panel_linear`: fp32 `x @ w.T + b` through weights packed in panels of 16 output features,
   `w` given as a list of row blocks packed as one (stacked projections) (`kernels/cpu_linear.py`).
-- `rms_norm`, `rotary_`, `silu_mul`: a decoder layer's elementwise work in one pass each
+- `rms_norm`, `rotary_`, `head_norm_`, `gated_act`: a decoder layer's elementwise work in one pass each
   (`kernels/cpu_layers.py`).
 - `FusedDecoder`: a decode step of a fused model (every decoder layer, final norm, LM head) in one call
   (`kernels/cpu_layers.py`).

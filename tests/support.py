@@ -61,22 +61,56 @@ def random_requests(n: int, vocab: int, max_prompt: int = 60, max_new: int = 24,
     return [([rng.randrange(3, vocab) for _ in range(rng.randint(1, max_prompt))], rng.randint(1, max_new)) for _ in range(n)]
 
 
-def _tiny(name: str, seed: int, **kw):
+def _tiny(name: str, seed: int, config_name: str | None = None, **kw):
     """transformers' `{name}ForCausalLM` at the tiny models' size (vocabulary 256, hidden 64, two layers, four
-    heads, no end-of-sequence token), seeded; `kw` overrides or adds config fields."""
+    heads, no end-of-sequence token), seeded, its config `{config_name or name}Config`; `kw` overrides or adds
+    config fields."""
     import transformers
 
     torch.manual_seed(seed)
     base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    config = getattr(transformers, f"{name}Config")(**{**base, **kw})
+    config = getattr(transformers, f"{config_name or name}Config")(**{**base, **kw})
     return getattr(transformers, f"{name}ForCausalLM")(config).eval()
+
+
+def _vary_norms(model, std: float = 0.5):
+    """Gemma's norms multiply by 1 + weight, which starts at zero: give the weights noise so that they count."""
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__.endswith("RMSNorm"):
+                m.weight.normal_(0, std)
+    return model
 
 
 def tiny_gemma2(seed: int = 0, window: int = 8):
     """Alternating sliding-window and full-attention layers (soft-capping off)."""
     return _tiny("Gemma2", seed, num_hidden_layers=4, head_dim=16, sliding_window=window, attn_logit_softcapping=None,
                  final_logit_softcapping=None, query_pre_attn_scalar=16)
+
+
+def tiny_gemma2_capped(seed: int = 0, window: int = 8):
+    """`tiny_gemma2` with its attention scores soft-capped at 1, its logits at 2 (which changes them, not the
+    greedy tokens), its matrices scaled up by 5 so that the attention cap changes its tokens (8 of the 10
+    requests of the fused tests), norm weights varied, the head untied (a random model whose head is tied to the
+    embedding, scaled up by sqrt(hidden), echoes its last token)."""
+    model = _vary_norms(_tiny("Gemma2", seed, num_hidden_layers=4, head_dim=16, sliding_window=window,
+                              attn_logit_softcapping=1.0, final_logit_softcapping=2.0, query_pre_attn_scalar=16,
+                              tie_word_embeddings=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(5.0)
+    return model
+
+
+def tiny_gemma3(seed: int = 0, window: int = 8, **kw):
+    """Gemma3's text model: two local layers (a sliding window of 8, rotary base 10,000) and a global one (base
+    1,000,000), each kind with angles of its own; per-head query and key norms; norms of the attention's and the
+    MLP's outputs; GeLU (tanh); norm weights varied, the head untied (see `tiny_gemma2_capped`)."""
+    config = dict(num_hidden_layers=3, head_dim=16, sliding_window=window, query_pre_attn_scalar=16,
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention"], tie_word_embeddings=False)
+    return _vary_norms(_tiny("Gemma3", seed, config_name="Gemma3Text", **{**config, **kw}))
 
 
 def tiny_qwen2(seed: int = 0):

@@ -6,7 +6,8 @@ import anyio
 import pytest
 import torch
 import torch.nn.functional as F
-from support import random_requests, reference, tiny_gemma2, tiny_mistral, tiny_phi3, tiny_qwen2, tiny_qwen3
+from support import (_tiny, random_requests, reference, tiny_gemma2, tiny_gemma2_capped, tiny_gemma3, tiny_mistral, tiny_phi3,
+                     tiny_qwen2, tiny_qwen3)
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
@@ -70,9 +71,12 @@ def test_head_norm_matches_qwen3s_norms(kernels, rows):
         kernels.head_norm_(y, heads, kv_heads, torch.ones(d), torch.ones(d + 1), 1e-6)
 
 
-def test_silu_mul_matches_torch(kernels):
+def test_gated_activations_match_torch(kernels):
     gu = torch.randn(7, 2 * 50) * 4
-    torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gu[:, :50]) * gu[:, 50:], atol=1e-6, rtol=1e-5)
+    gu[0, :8] = torch.tensor([-100.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 100.0, 3.0])  # (both tails and around 0)
+    gate, up = gu[:, :50], gu[:, 50:]
+    torch.testing.assert_close(kernels.gated_act(gu), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(kernels.gated_act(gu, 1), F.gelu(gate, approximate="tanh") * up, atol=1e-6, rtol=1e-5)
 
 
 def test_kernels_refuse_what_they_do_not_handle(kernels):
@@ -81,7 +85,7 @@ def test_kernels_refuse_what_they_do_not_handle(kernels):
     with pytest.raises(RuntimeError, match="heads"):
         kernels.rotary_(torch.randn(2, 16), torch.randn(2, 8), torch.randn(2, 8), 3)
     with pytest.raises(RuntimeError, match=r"\[T, 2I\]"):
-        kernels.silu_mul(torch.randn(2, 7))
+        kernels.gated_act(torch.randn(2, 7))
 
 
 async def _run(model, work, **config):
@@ -103,8 +107,11 @@ async def _run(model, work, **config):
     return [results[i] for i in range(len(work))], fused
 
 
-@pytest.mark.parametrize("make", [None, tiny_mistral, tiny_qwen2, tiny_qwen3, tiny_phi3],
-                         ids=["llama", "mistral", "qwen2", "qwen3", "phi3"])
+FUSED = {"llama": None, "mistral": tiny_mistral, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "phi3": tiny_phi3,
+         "gemma2": tiny_gemma2, "gemma2 capped": tiny_gemma2_capped, "gemma3": tiny_gemma3}
+
+
+@pytest.mark.parametrize("make", list(FUSED.values()), ids=list(FUSED))
 async def test_fused_layers_match_generate_and_leave_the_model_as_it_was(llama, make, kernels, monkeypatch):
     model = llama if make is None else make()
     mixed = []  # steps with prefill chunks, each in one call too
@@ -122,8 +129,22 @@ async def test_fused_layers_match_generate_and_leave_the_model_as_it_was(llama, 
     assert [reference(model, p, n) for p, n in work[:2]] == refs[:2]
 
 
+async def test_decoder_logits_are_the_models_soft_capped(kernels, monkeypatch):
+    model = tiny_gemma2_capped()  # logits capped at 2
+    logits = []
+    real = cpu_layers.FusedDecoder.step
+    monkeypatch.setattr(cpu_layers.FusedDecoder, "step", lambda self, *a: logits.append(real(self, *a)) or logits[-1])
+    prompt = list(range(3, 23))
+    await _run(model, [(prompt, 1)], fuse_cpu_layers=True)
+    with torch.inference_mode():
+        want = model(torch.tensor([prompt])).logits[0, -1]
+        model.config.final_logit_softcapping = None
+        assert model(torch.tensor([prompt])).logits[0, -1].abs().max() > 3  # (the cap changes them)
+    torch.testing.assert_close(logits[-1][-1], want, atol=1e-4, rtol=1e-4)  # (the last step: the prompt)
+
+
 async def test_unsupported_layers_run_as_they_are(kernels):
-    model = tiny_gemma2()
+    model = _tiny("Olmo2", 0)
     assert not cpu_layers.supported(model.model.layers[0])
     work = random_requests(4, 256, max_prompt=20, max_new=8, seed=5)
     refs = [reference(model, p, n) for p, n in work]
@@ -155,8 +176,7 @@ async def test_fusing_off_keeps_transformers_layers(llama):
     assert got == [reference(llama, p, n) for p, n in work]
 
 
-@pytest.mark.parametrize("make", [None, tiny_mistral, tiny_qwen2, tiny_qwen3, tiny_phi3],
-                         ids=["llama", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("make", list(FUSED.values()), ids=list(FUSED))
 @pytest.mark.parametrize("streams", [1, 7])
 async def test_decode_steps_run_the_whole_model_in_one_call_and_match_generate(llama, make, streams, kernels, monkeypatch):
     model = llama if make is None else make()

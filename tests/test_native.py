@@ -53,19 +53,31 @@ def test_packed_linears_match_nn_linear():
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+GATES = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, 300])
 @pytest.mark.parametrize("bias", [True, False])
-def test_gated_panel_linear_is_silu_of_gate_times_up(rows, bias):
+@pytest.mark.parametrize("activation", list(GATES))
+def test_gated_panel_linear_is_the_activation_of_gate_times_up(rows, bias, activation):
     g = torch.Generator().manual_seed(rows)
     gate, up, x = torch.randn(96, 70, generator=g), torch.randn(96, 70, generator=g), torch.randn(rows, 70, generator=g)
     b = torch.randn(192, generator=g) if bias else None
-    layer = cpu_linear.PanelLinear([gate, up], b, gated=True)
+    layer = cpu_linear.PanelLinear([gate, up], b, gated=True, activation=activation)
     both = F.linear(x, torch.cat([gate, up]), b)
     # (products of two sums of ~8 each: float rounding of either sum moves them by up to ~1e-5)
-    torch.testing.assert_close(layer(x), F.silu(both[:, :96]) * both[:, 96:], atol=1e-4, rtol=1e-5)
-    # the same arithmetic as the stacked linear and then `silu_mul`
+    torch.testing.assert_close(layer(x), GATES[activation](both[:, :96]) * both[:, 96:], atol=1e-4, rtol=1e-5)
+    # the same arithmetic as the stacked linear and then `gated_act`
     kernels = native.load()
-    assert torch.equal(layer(x), kernels.silu_mul(cpu_linear.PanelLinear([gate, up], b)(x)))
+    code = cpu_linear.ACTIVATIONS[activation]
+    assert torch.equal(layer(x), kernels.gated_act(cpu_linear.PanelLinear([gate, up], b)(x), code))
+
+
+def test_unknown_activations_are_refused():
+    with pytest.raises(ValueError, match="activation"):
+        cpu_linear.PanelLinear([torch.randn(16, 8), torch.randn(16, 8)], None, gated=True, activation="relu")
+    with pytest.raises(RuntimeError, match="activation"):
+        native.load().gated_act(torch.randn(2, 8), 7)
 
 
 def test_gated_packing_refuses_widths_that_are_not_whole_panels():

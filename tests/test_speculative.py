@@ -8,7 +8,7 @@ import logging
 import anyio
 import pytest
 import torch
-from support import random_requests, reference, tiny_llama, tiny_mistral, tiny_qwen2
+from support import random_requests, reference, tiny_gemma3, tiny_llama, tiny_mistral, tiny_qwen2
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
 from jitney.core import events as ev
@@ -47,7 +47,8 @@ def greedy(prompt, n, **kw):
     return Request(prompt, SamplingParams(max_new_tokens=n, **kw))
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2, lambda: tiny_gemma3(layer_types=["full_attention"] * 3)],
+                         ids=["llama", "qwen2", "gemma3"])  # (Gemma3 without its sliding layers, which turn speculation off)
 @pytest.mark.parametrize("count", [1, 2, 3, 6])
 async def test_speculative_steps_give_generates_tokens(make, count):
     # up to 5 requests: 4 proposals a step, fewer where the rows would pass 16; 6: none until one has ended (at
