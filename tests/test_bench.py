@@ -14,10 +14,10 @@ def test_bench_runs_each_mode_and_writes_json_and_a_plot(tmp_path):
     tiny_llama().save_pretrained(tmp_path / "tiny")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = cli(["bench", "--model", str(tmp_path / "tiny"), "--workload", "long-prompt", "--max-batch-tokens", "48",
-                "--modes", "jitney,jitney-nocache,hf-cb,hf-static", "--json", str(out), "--plot", str(png)])
+                "--modes", "jitney,jitney-nocache,hf-cb,hf-static,jitney-unfused", "--json", str(out), "--plot", str(png)])
     assert code == 0
     report = json.loads(out.read_text())
-    assert [r["mode"] for r in report["rows"]] == ["jitney", "jitney-nocache", "hf-cb", "hf-static"]
+    assert [r["mode"] for r in report["rows"]] == ["jitney", "jitney-nocache", "hf-cb", "hf-static", "jitney-unfused"]
     for row in report["rows"]:
         assert row["output_tok_s"] > 0
         assert row["same_tokens_as_first"] == 1.0
