@@ -1587,34 +1587,40 @@ static void rotary_rows(float* xp, int64_t t, int64_t stride, const float* cp, c
   });
 }
 
-// RMSNorm of each query and key head, in place (Qwen3's q_norm and k_norm, before the rotary embedding): of
-// each of the m rows of y (`stride` floats apart), the first `heads` heads of d with weight `qw`, the next
-// `kv_heads` with `kw`; `rms_rows`'s arithmetic over rows of d.
-static void head_norm_rows(float* y, int64_t m, int64_t stride, int64_t heads, int64_t kv_heads, int64_t d, const float* qw,
-                           const float* kw, double eps, bool small) {
+// RMSNorm of the queries and keys, in place, before the rotary embedding: of each of the m rows of y (`stride`
+// floats apart), the first q_width floats (the queries) in parts of dq with weight `qw`, the next k_width (the
+// keys) in parts of dk with `kw`; `rms_rows`'s arithmetic over each part. Parts of a head (Qwen3's and Gemma3's
+// q_norm and k_norm) or of all heads at once (OLMo2's).
+static void head_norm_rows(float* y, int64_t m, int64_t stride, int64_t q_width, int64_t dq, const float* qw, int64_t k_width,
+                           int64_t dk, const float* kw, double eps, bool small) {
   parallel(m, 1, small, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      for (int64_t i = 0; i < heads + kv_heads; ++i) {
-        float* x = y + r * stride + i * d;
-        const float* w = i < heads ? qw : kw;
+      for (int64_t start = 0; start < q_width + k_width;) {
+        const bool query = start < q_width;
+        const int64_t d = query ? dq : dk;
+        const float* w = query ? qw : kw;
+        float* x = y + r * stride + start;
         float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
         for (int64_t j = 0; j < d; ++j) ss += x[j] * x[j];
         const float inv = 1.f / std::sqrt(ss / (float)d + (float)eps);
 #pragma omp simd
         for (int64_t j = 0; j < d; ++j) x[j] = w[j] * (x[j] * inv);
+        start += d;
       }
   });
 }
 
-// `head_norm_rows` on x ([T, >= (heads + kv_heads) * D], rows contiguous), in place.
-void head_norm_(torch::Tensor x, int64_t heads, int64_t kv_heads, torch::Tensor qw, torch::Tensor kw, double eps) {
-  const int64_t d = qw.numel();
+// `head_norm_rows` on x ([T, >= q_width + k_width], rows contiguous), in place: the queries in parts of
+// qw.numel(), the keys in parts of kw.numel() (each width a whole number of parts).
+void head_norm_(torch::Tensor x, int64_t q_width, int64_t k_width, torch::Tensor qw, torch::Tensor kw, double eps) {
+  const int64_t dq = qw.numel(), dk = kw.numel();
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat && qw.is_contiguous() &&
-              kw.is_contiguous() && qw.scalar_type() == torch::kFloat && kw.scalar_type() == torch::kFloat &&
-              kw.numel() == d && (heads + kv_heads) * d <= x.size(1), "head_norm_: fp32 rows, one weight of D per kind");
-  head_norm_rows(x.data_ptr<float>(), x.size(0), x.stride(0), heads, kv_heads, d, qw.data_ptr<float>(), kw.data_ptr<float>(),
-                 eps, false);
+              kw.is_contiguous() && qw.scalar_type() == torch::kFloat && kw.scalar_type() == torch::kFloat && dq > 0 &&
+              dk > 0 && q_width % dq == 0 && k_width % dk == 0 && q_width + k_width <= x.size(1),
+              "head_norm_: fp32 rows, query and key widths whole parts of their weights");
+  head_norm_rows(x.data_ptr<float>(), x.size(0), x.stride(0), q_width, dq, qw.data_ptr<float>(), k_width, dk,
+                 kw.data_ptr<float>(), eps, false);
 }
 
 // Rotary position embedding, in place, on the first `heads` heads of each row of x ([T, >= heads * D]).
@@ -1716,36 +1722,44 @@ class FusedDecoder {
   // the LM head's panels and bias; `gated`: the gate/up panels are from `pack_panels_gated` (else stacked, their
   // activation a pass of its own); `act`: the gate's `Activation`. `rope_of_layer`: which set of rotary angles
   // each layer takes (empty: all the first; Gemma3's local and global layers turn at different rates);
-  // `softcap` > 0: attention scores soft-capped (Gemma2), `final_softcap` > 0: the logits too; `embed_scale`:
-  // the embedding's scale (Gemma's sqrt(hidden)), for the tokens `propose` embeds itself.
+  // a layer of -1 has none (SmolLM3's NoPE layers); `softcap` > 0: attention scores soft-capped (Gemma2),
+  // `final_softcap` > 0: the logits too; `embed_scale`: the embedding's scale (Gemma's sqrt(hidden), Granite's
+  // multiplier), for the tokens `propose` embeds itself; `residual_scale`: the attention's and the MLP's outputs
+  // times it before they join the residual stream, `logit_divisor`: the logits divided by it (both Granite's).
+  // No input norm or no MLP input norm (OLMo2's, an empty tensor): that input as it is.
   FusedDecoder(std::vector<std::vector<torch::Tensor>> layers, std::vector<double> eps, std::vector<int64_t> windows,
                int64_t heads, int64_t kv_heads, int64_t dim, double scaling, torch::Tensor norm, double norm_eps,
                torch::Tensor head, int64_t vocab, torch::Tensor head_bias, bool gated, int64_t act,
-               std::vector<int64_t> rope_of_layer, double softcap, double final_softcap, double embed_scale)
+               std::vector<int64_t> rope_of_layer, double softcap, double final_softcap, double embed_scale,
+               double residual_scale, double logit_divisor)
       : tensors_(std::move(layers)), eps_(std::move(eps)), windows_(std::move(windows)),
         rope_of_layer_(std::move(rope_of_layer)), heads_(heads), kv_heads_(kv_heads), dim_(dim), scaling_(scaling),
-        softcap_(softcap), final_softcap_(final_softcap), embed_scale_(embed_scale), norm_t_(norm.contiguous()),
+        softcap_(softcap), final_softcap_(final_softcap), embed_scale_(embed_scale), residual_scale_(residual_scale),
+        logit_divisor_(logit_divisor), norm_t_(norm.contiguous()),
         norm_eps_(norm_eps), head_t_(head), head_bias_t_(head_bias) {
     TORCH_CHECK(eps_.size() == 5 * tensors_.size() && windows_.size() == tensors_.size(), "FusedDecoder: per-layer settings");
     if (rope_of_layer_.empty()) rope_of_layer_.assign(tensors_.size(), 0);
     TORCH_CHECK(rope_of_layer_.size() == tensors_.size(), "FusedDecoder: one set of rotary angles per layer");
     for (int64_t r : rope_of_layer_) {
-      TORCH_CHECK(r >= 0, "FusedDecoder: rotary angle sets");
+      TORCH_CHECK(r >= -1, "FusedDecoder: rotary angle sets");
       rope_sets_ = std::max(rope_sets_, r + 1);
     }
     const int64_t c = norm_t_.numel(), qkv_width = (heads + 2 * kv_heads) * dim;
     for (const auto& t : tensors_) {
-      TORCH_CHECK(t.size() == 14 && t[0].numel() == c && t[5].numel() == c, "FusedDecoder: 14 tensors per layer");
-      TORCH_CHECK(t[10].numel() == t[11].numel() && (t[10].numel() == 0 || t[10].numel() == dim),
-                  "FusedDecoder: per-head norms of head_dim, both or neither");
-      TORCH_CHECK((t[12].numel() == 0 || t[12].numel() == c) && (t[13].numel() == 0 || t[13].numel() == c),
-                  "FusedDecoder: output norms of the hidden size");
+      TORCH_CHECK(t.size() == 14, "FusedDecoder: 14 tensors per layer");
+      for (int i : {0, 5, 12, 13})
+        TORCH_CHECK(t[i].numel() == 0 || t[i].numel() == c, "FusedDecoder: norms of the hidden size");
+      const int64_t dq = t[10].numel(), dk = t[11].numel();
+      TORCH_CHECK((dq == 0) == (dk == 0) && (dq == 0 || dq == dim || dq == heads * dim) &&
+                  (dk == 0 || dk == dim || dk == kv_heads * dim), "FusedDecoder: query and key norms of a head or all heads, both or neither");
       Layer l;
-      l.norm_in = t[0].data_ptr<float>();
-      l.norm_mlp = t[5].data_ptr<float>();
-      if (t[10].numel()) {
+      if (t[0].numel()) l.norm_in = t[0].data_ptr<float>();
+      if (t[5].numel()) l.norm_mlp = t[5].data_ptr<float>();
+      if (dq) {
         l.q_norm = t[10].data_ptr<float>();
         l.k_norm = t[11].data_ptr<float>();
+        l.dq = dq;
+        l.dk = dk;
       }
       if (t[12].numel()) l.norm_attn_out = t[12].data_ptr<float>();
       if (t[13].numel()) l.norm_mlp_out = t[13].data_ptr<float>();
@@ -1863,11 +1877,14 @@ class FusedDecoder {
       const int64_t* tp = tables[g].data_ptr<int64_t>();
       float* kp = kc.data_ptr<float>();
       float* vp = vc.data_ptr<float>();
-      rms_rows(xp, nullptr, l.norm_in, eps_[5 * i], m, c, hn.get(), nullptr, small);
-      panel_rows(hn.get(), m, l.qkv, y.get(), small);
-      if (l.q_norm) head_norm_rows(y.get(), m, qkv_width, h, kvh, d, l.q_norm, l.k_norm, eps_[5 * i + 2], small);
-      const int64_t angles = rope_of_layer_[i] * m * d;
-      rotary_rows(y.get(), m, qkv_width, cos.data_ptr<float>() + angles, sin.data_ptr<float>() + angles, d, h + kvh, small);
+      if (l.norm_in) rms_rows(xp, nullptr, l.norm_in, eps_[5 * i], m, c, hn.get(), nullptr, small);
+      panel_rows(l.norm_in ? hn.get() : xp, m, l.qkv, y.get(), small);
+      if (l.q_norm)
+        head_norm_rows(y.get(), m, qkv_width, h * d, l.dq, l.q_norm, kvh * d, l.dk, l.k_norm, eps_[5 * i + 2], small);
+      if (rope_of_layer_[i] >= 0) {
+        const int64_t angles = rope_of_layer_[i] * m * d;
+        rotary_rows(y.get(), m, qkv_width, cos.data_ptr<float>() + angles, sin.data_ptr<float>() + angles, d, h + kvh, small);
+      }
       for (int64_t r = 0; r < m; ++r) {  // this step's keys and values into the cache
         const float* kr = y.get() + r * qkv_width + h * d;
         const float* vr = kr + kvh * d;
@@ -1887,19 +1904,25 @@ class FusedDecoder {
       attention_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - attention_start).count();
       panel_rows(attn.get(), m, l.o, o.get(), small);
       if (l.norm_attn_out) rms_rows(o.get(), nullptr, l.norm_attn_out, eps_[5 * i + 3], m, c, o.get(), nullptr, small);
-      rms_rows(o.get(), xp, l.norm_mlp, eps_[5 * i + 1], m, c, hn.get(), sum.get(), small);
+      if (residual_scale_ != 1.0) scale_rows(o.get(), m * c, (float)residual_scale_);
+      const float* mlp_in = hn.get();
+      if (l.norm_mlp) {
+        rms_rows(o.get(), xp, l.norm_mlp, eps_[5 * i + 1], m, c, hn.get(), sum.get(), small);
+      } else {  // the MLP takes the residual stream as it is
+        add_rows(o.get(), xp, m * c, sum.get());
+        mlp_in = sum.get();
+      }
       if (gated) {
-        panel_rows(hn.get(), m, l.gate_up, act.get(), small);
+        panel_rows(mlp_in, m, l.gate_up, act.get(), small);
       } else {
-        panel_rows(hn.get(), m, l.gate_up, gu.get(), small);
+        panel_rows(mlp_in, m, l.gate_up, gu.get(), small);
         gated_rows(gu.get(), m, inter, act.get(), small, l.gate_up.act);
       }
-      if (l.norm_mlp_out) {  // x = sum + norm(down(act))
+      if (l.norm_mlp_out || residual_scale_ != 1.0) {  // x = sum + norm(down(act)) (times the scale)
         panel_rows(act.get(), m, l.down, o.get(), small);
-        rms_rows(o.get(), nullptr, l.norm_mlp_out, eps_[5 * i + 4], m, c, o.get(), nullptr, small);
-        const float *sp = sum.get(), *op = o.get();
-#pragma omp simd
-        for (int64_t j = 0; j < m * c; ++j) xp[j] = sp[j] + op[j];
+        if (l.norm_mlp_out) rms_rows(o.get(), nullptr, l.norm_mlp_out, eps_[5 * i + 4], m, c, o.get(), nullptr, small);
+        if (residual_scale_ != 1.0) scale_rows(o.get(), m * c, (float)residual_scale_);
+        add_rows(sum.get(), o.get(), m * c, xp);
       } else {
         panel_rows(act.get(), m, l.down, xp, small, sum.get());  // x = sum + down(act)
       }
@@ -1910,7 +1933,18 @@ class FusedDecoder {
     auto logits = torch::empty({kept, head_.n}, x.options());
     panel_rows(hn.get(), kept, head_, logits.data_ptr<float>(), kept <= 2);
     if (final_softcap_ > 0) logits.div_(final_softcap_).tanh_().mul_(final_softcap_);  // as transformers' Gemma2
+    if (logit_divisor_ != 1.0) logits.div_(logit_divisor_);  // (Granite's)
     return logits;
+  }
+
+  static void scale_rows(float* x, int64_t n, float s) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) x[j] *= s;
+  }
+
+  static void add_rows(const float* a, const float* b, int64_t n, float* out) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) out[j] = a[j] + b[j];
   }
 
   struct Buffer {  // uninitialised floats (a vector's zeros cost a pass over every step's buffers)
@@ -1920,10 +1954,11 @@ class FusedDecoder {
   };
 
   struct Layer {
-    const float* norm_in;
-    const float* norm_mlp;
-    const float* q_norm = nullptr;  // per-head norms (Qwen3, Gemma3; else none)
+    const float* norm_in = nullptr;  // (none: OLMo2's)
+    const float* norm_mlp = nullptr;
+    const float* q_norm = nullptr;  // query and key norms (Qwen3, Gemma3: of a head; OLMo2: of all heads; else none)
     const float* k_norm = nullptr;
+    int64_t dq = 0, dk = 0;  // their widths
     const float* norm_attn_out = nullptr;  // norms of the attention's and the MLP's outputs (Gemma2, Gemma3)
     const float* norm_mlp_out = nullptr;
     Panels qkv, o, gate_up, down;
@@ -1933,7 +1968,7 @@ class FusedDecoder {
   std::vector<double> eps_;
   std::vector<int64_t> windows_, rope_of_layer_;
   int64_t rope_sets_ = 1, heads_, kv_heads_, dim_;
-  double scaling_, softcap_, final_softcap_, embed_scale_;
+  double scaling_, softcap_, final_softcap_, embed_scale_, residual_scale_, logit_divisor_;
   torch::Tensor norm_t_;
   double norm_eps_;
   torch::Tensor head_t_, head_bias_t_;
@@ -1964,11 +1999,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<FusedDecoder>(m, "FusedDecoder")
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<double>, std::vector<int64_t>, int64_t, int64_t,
                     int64_t, double, torch::Tensor, double, torch::Tensor, int64_t, torch::Tensor, bool, int64_t,
-                    std::vector<int64_t>, double, double, double>(),
+                    std::vector<int64_t>, double, double, double, double, double>(),
            py::arg("layers"), py::arg("eps"), py::arg("windows"), py::arg("heads"), py::arg("kv_heads"), py::arg("dim"),
            py::arg("scaling"), py::arg("norm"), py::arg("norm_eps"), py::arg("head"), py::arg("vocab"), py::arg("head_bias"),
            py::arg("gated") = false, py::arg("act") = 0, py::arg("rope_of_layer") = std::vector<int64_t>(),
-           py::arg("softcap") = 0.0, py::arg("final_softcap") = 0.0, py::arg("embed_scale") = 1.0)
+           py::arg("softcap") = 0.0, py::arg("final_softcap") = 0.0, py::arg("embed_scale") = 1.0,
+           py::arg("residual_scale") = 1.0, py::arg("logit_divisor") = 1.0)
       .def("forward", &FusedDecoder::forward, nogil)
       .def("step", &FusedDecoder::step, nogil)
       .def("propose", &FusedDecoder::propose, nogil)

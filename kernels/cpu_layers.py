@@ -9,9 +9,11 @@ pass of its own), the down projection and the residual add. Linears go through `
 of the stacked weights, C++).
 
 Supported: transformers' Llama, Mistral, Qwen2, Qwen3 (per-head query and key norms, C++), Phi3 (q/k/v and
-gate/up already one linear each; rotary over whole heads) and Gemma, Gemma2, Gemma3 (norms of 1 + weight, GeLU's
+gate/up already one linear each; rotary over whole heads), Gemma, Gemma2, Gemma3 (norms of 1 + weight, GeLU's
 tanh approximation, norms of the attention's and the MLP's outputs, Gemma2's soft-capped attention, Gemma3's
-rotary angles per kind of layer) decoder layers, fp32 on CPU; other layers run unchanged.
+rotary angles per kind of layer), OLMo2 (output norms only, query and key norms across all heads), Granite
+(its multipliers) and SmolLM3 (layers without rotary embedding) decoder layers, fp32 on CPU; other layers run
+unchanged.
 
 Where every decoder layer of a causal LM in `DECODER_MODELS` is fused, steps skip even those calls:
 `FusedDecoder` runs all the layers, the final norm and the LM head in one C++ call (the same kernels in the
@@ -49,15 +51,24 @@ def _module_window(layer) -> int | None:
 # Where each supported layer class (whose forward is replicated here) takes its attention's window from.
 WINDOW_OF = {"LlamaDecoderLayer": _no_window, "MistralDecoderLayer": _config_window, "Qwen2DecoderLayer": _module_window,
              "Qwen3DecoderLayer": _module_window, "Phi3DecoderLayer": _config_window, "GemmaDecoderLayer": _no_window,
-             "Gemma2DecoderLayer": _module_window, "Gemma3DecoderLayer": _module_window}
-HEAD_NORMS = {"Qwen3DecoderLayer", "Gemma3DecoderLayer"}
-"""Layers that normalise each query and key head (`q_norm`, `k_norm`) before the rotary embedding."""
+             "Gemma2DecoderLayer": _module_window, "Gemma3DecoderLayer": _module_window, "Olmo2DecoderLayer": _no_window,
+             "GraniteDecoderLayer": _no_window, "SmolLM3DecoderLayer": _module_window}
+HEAD_NORMS = {"Qwen3DecoderLayer", "Gemma3DecoderLayer", "Olmo2DecoderLayer"}
+"""Layers that normalise their queries and keys (`q_norm`, `k_norm`) before the rotary embedding: each head
+(Qwen3, Gemma3) or all heads at once (OLMo2)."""
 STACKED_PROJECTIONS = {"Phi3DecoderLayer"}
 """Layers whose q/k/v and gate/up projections are one linear each already (`qkv_proj`, `gate_up_proj`)."""
 OUTPUT_NORMS = {"Gemma2DecoderLayer", "Gemma3DecoderLayer"}
 """Layers that also normalise the attention's and the MLP's outputs before adding them to the residual stream:
 `post_attention_layernorm` is then the attention output's norm, `pre_feedforward_layernorm` the MLP input's and
 `post_feedforward_layernorm` the MLP output's."""
+ONLY_OUTPUT_NORMS = {"Olmo2DecoderLayer"}
+"""Layers that normalise the attention's and the MLP's outputs only (`post_attention_layernorm`,
+`post_feedforward_layernorm`), their inputs as they are."""
+RESIDUAL_SCALED = {"GraniteDecoderLayer"}
+"""Layers whose attention and MLP outputs are multiplied by `residual_multiplier` before joining the residual."""
+ROTARY_OPTIONAL = {"SmolLM3DecoderLayer"}
+"""Layers whose attention turns its queries and keys only where `use_rope` (SmolLM3: not every fourth layer)."""
 SOFT_CAPPED = {"Gemma2DecoderLayer"}
 """Layers whose attention soft-caps its scores by `attn_logit_softcapping` (where set)."""
 ONE_PLUS_NORMS = {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"}
@@ -78,10 +89,14 @@ def _norms(layer: nn.Module) -> dict[str, nn.Module | None]:
     """A supported layer's RMSNorms by role: the attention's input, the MLP's input, each query and key head,
     the attention's output and the MLP's output (None: the layer has no such norm)."""
     attn, name = layer.self_attn, type(layer).__name__
-    outputs, heads = name in OUTPUT_NORMS, name in HEAD_NORMS
+    heads = name in HEAD_NORMS
+    qk = {"q": attn.q_norm if heads else None, "k": attn.k_norm if heads else None}
+    if name in ONLY_OUTPUT_NORMS:
+        return {"input": None, "mlp": None, **qk, "attn_out": layer.post_attention_layernorm,
+                "mlp_out": layer.post_feedforward_layernorm}
+    outputs = name in OUTPUT_NORMS
     return {"input": layer.input_layernorm,
-            "mlp": layer.pre_feedforward_layernorm if outputs else layer.post_attention_layernorm,
-            "q": attn.q_norm if heads else None, "k": attn.k_norm if heads else None,
+            "mlp": layer.pre_feedforward_layernorm if outputs else layer.post_attention_layernorm, **qk,
             "attn_out": layer.post_attention_layernorm if outputs else None,
             "mlp_out": layer.post_feedforward_layernorm if outputs else None}
 
@@ -110,6 +125,16 @@ def _activation(layer: nn.Module) -> str | None:
     return ACTIVATIONS.get(type(act).__name__)
 
 
+def _residual_scale(layer: nn.Module) -> float:
+    """What the layer multiplies its attention's and MLP's outputs by before adding them to the residual stream."""
+    return layer.residual_multiplier if type(layer).__name__ in RESIDUAL_SCALED else 1.0
+
+
+def _rotary(layer: nn.Module) -> bool:
+    """Whether the layer turns its queries and keys by the rotary embedding."""
+    return layer.self_attn.use_rope if type(layer).__name__ in ROTARY_OPTIONAL else True
+
+
 def _softcap(layer: nn.Module) -> float | None:
     """The layer's attention soft-cap, or None."""
     return layer.self_attn.attn_logit_softcapping if type(layer).__name__ in SOFT_CAPPED else None
@@ -134,9 +159,12 @@ def supported(layer: nn.Module) -> bool:
         rope = rope.get(attn.layer_type) or {}
     roles = _norms(layer)
     norms = [n for n in roles.values() if n is not None]
-    if roles["q"] is not None and (any(roles[r].weight.numel() != attn.head_dim for r in "qk")
-                                   or _multiplier(roles["q"])[1] != _multiplier(roles["k"])[1]):
-        return False  # (the per-head kernel takes both heads' norms of head_dim, with one epsilon)
+    if roles["q"] is not None:
+        heads, kv_heads = _heads(layer)
+        if (roles["q"].weight.numel() not in (attn.head_dim, heads * attn.head_dim)
+                or roles["k"].weight.numel() not in (attn.head_dim, kv_heads * attn.head_dim)
+                or _multiplier(roles["q"])[1] != _multiplier(roles["k"])[1]):
+            return False  # (the kernel takes norms of a head or of all heads, with one epsilon)
     weights = [m.weight for m in linears] + [n.weight for n in norms]
     return (
         all(type(m) is nn.Linear for m in linears)
@@ -187,10 +215,14 @@ class FusedLayers:
 
 # Causal LMs whose forward is embed -> rotary angles -> every decoder layer -> final norm -> LM head, nothing else.
 # (Gemma's embedding scales its rows by sqrt(hidden) itself; Gemma2's and Gemma3's heads soft-cap the logits
-# where `final_logit_softcapping` is set.)
+# where `final_logit_softcapping` is set; see also `MULTIPLIED`.)
 DECODER_MODELS = {"LlamaForCausalLM": "LlamaModel", "MistralForCausalLM": "MistralModel", "Qwen2ForCausalLM": "Qwen2Model",
                   "Qwen3ForCausalLM": "Qwen3Model", "Phi3ForCausalLM": "Phi3Model", "GemmaForCausalLM": "GemmaModel",
-                  "Gemma2ForCausalLM": "Gemma2Model", "Gemma3ForCausalLM": "Gemma3TextModel"}
+                  "Gemma2ForCausalLM": "Gemma2Model", "Gemma3ForCausalLM": "Gemma3TextModel", "Olmo2ForCausalLM": "Olmo2Model",
+                  "GraniteForCausalLM": "GraniteModel", "SmolLM3ForCausalLM": "SmolLM3Model"}
+MULTIPLIED = {"GraniteForCausalLM"}
+"""Models that multiply the embeddings by `config.embedding_multiplier` and divide the logits by
+`config.logits_scaling`."""
 ROTARY_PER_LAYER_TYPE = {"Gemma3TextModel"}
 """Models whose rotary embedding gives each kind of layer (`config.layer_types`) angles of its own."""
 
@@ -226,7 +258,11 @@ class FusedDecoder:
             layers.append([p.qkv.packed, p.qkv.bias, p.o.packed, p.o.bias, p.gate_up.packed, p.gate_up.bias, p.down.packed,
                            p.down.bias])
         (gated,) = {packs[layer].gate_up.gated for layer in model.model.layers}  # (one MLP width for every layer)
+        (self.residual_scale,) = {_residual_scale(layer) for layer in model.model.layers}
         config, inner = model.config.get_text_config(), model.model
+        multiplied = type(model).__name__ in MULTIPLIED
+        self.embedding_multiplier = config.embedding_multiplier if multiplied else 1.0
+        self.logit_divisor = config.logits_scaling if multiplied else 1.0
         self.rope_types = sorted(set(config.layer_types)) if type(inner).__name__ in ROTARY_PER_LAYER_TYPE else None
         """The kinds of layer whose angles the rotary embedding computes apart (each layer takes its kind's)."""
         self.native = self._native(layers, head.packed, head.bias, gated=gated)
@@ -252,14 +288,21 @@ class FusedDecoder:
             windows.append(WINDOW_OF[type(layer).__name__](layer) or 0)
         first = inner.layers[0]
         attn, (norm, norm_eps) = first.self_attn, _multiplier(inner.norm)
-        rope_of_layer = [self.rope_types.index(t) for t in config.layer_types] if self.rope_types else []
-        scale = getattr(inner.embed_tokens, "embed_scale", None)
+        kinds = [self.rope_types.index(t) for t in config.layer_types] if self.rope_types else [0] * len(inner.layers)
+        rope_of_layer = [kind if _rotary(layer) else -1 for kind, layer in zip(kinds, inner.layers)]
+        scale = getattr(inner.embed_tokens, "embed_scale", None)  # (Gemma's, applied by the module; else Granite's)
+        scale = self.embedding_multiplier if scale is None else float(scale.to(inner.embed_tokens.weight.dtype))
         return self.kernels.FusedDecoder(
             specs, eps, windows, *_heads(first), attn.head_dim, attn.scaling, norm, norm_eps, head,
             model.lm_head.out_features, empty if head_bias is None else head_bias, gated=gated,
             act=cpu_linear.ACTIVATIONS[_activation(first)], rope_of_layer=rope_of_layer, softcap=_softcap(first) or 0.0,
-            final_softcap=getattr(config, "final_logit_softcapping", None) or 0.0,
-            embed_scale=1.0 if scale is None else float(scale.to(inner.embed_tokens.weight.dtype)))
+            final_softcap=getattr(config, "final_logit_softcapping", None) or 0.0, embed_scale=scale,
+            residual_scale=self.residual_scale, logit_divisor=self.logit_divisor)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The model's input embeddings of `input_ids` (Granite's times its multiplier, as its forward does)."""
+        x = self.model.model.embed_tokens(input_ids)
+        return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
 
     def _angles(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary embedding's cos and sin for `positions` ([1, T]): [sets, T, D] each, one set per kind of layer
@@ -291,7 +334,7 @@ class FusedDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step, started) -> torch.Tensor:
         """Logits [rows, vocab] of a decode-only step (`StepInputs` `step`, every row one token); `started()`
         is called just before the C++ call (which releases the GIL)."""
-        x = self.model.model.embed_tokens(input_ids)  # [1, rows, hidden]
+        x = self._embed(input_ids)  # [1, rows, hidden]
         cos, sin = self._angles(x, positions[None])
         x = x[0].contiguous()
         started()
@@ -301,7 +344,7 @@ class FusedDecoder:
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, step, keep: list[int], started) -> torch.Tensor:
         """Logits [len(keep), vocab] of rows `keep` of any step (prefill chunks too) in one C++ call: the same
         kernels as the fused layers' Python path, in the same order."""
-        x = self.model.model.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         cos, sin = self._angles(x, positions[None])
         x = x[0].contiguous()
         started()
@@ -331,7 +374,7 @@ class FusedDecoder:
                                  step.group_of_layer, ctx, step.block_size, k)
         ids = torch.cat([input_ids[0][:, None], proposed], 1)  # [rows, width]
         logits = self.native.forward(
-            inner.embed_tokens(ids.reshape(-1)), cos.reshape(sets, rows * width, -1), sin.reshape(sets, rows * width, -1), step.keys,
+            self._embed(ids.reshape(-1)), cos.reshape(sets, rows * width, -1), sin.reshape(sets, rows * width, -1), step.keys,
             step.values, [t.repeat_interleave(width, 0) for t in tables], step.group_of_layer,
             (ctx[:, None] + torch.arange(width)).reshape(-1), step.block_size,
         )
@@ -380,6 +423,7 @@ def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):
     attn = layer.self_attn
     norms = {role: _multiplier(n) for role, n in _norms(layer).items()}
     (q_norm, eps), (k_norm, _) = norms["q"], norms["k"]
+    residual_scale, rotary = _residual_scale(layer), _rotary(layer)
     qkv, o_proj, gate_up, down = linears.qkv, linears.o, linears.gate_up, linears.down
     act = cpu_linear.ACTIVATIONS[linears.activation]
     dim = attn.head_dim
@@ -392,12 +436,13 @@ def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1]).contiguous()
         t = x.shape[0]
-        h, _ = kernels.rms_norm(x, None, *norms["input"])
+        h = x if norms["input"][0] is None else kernels.rms_norm(x, None, *norms["input"])[0]
         y = qkv(h)  # [T, (heads + 2 kv_heads) * dim]
         if q_norm is not None:
-            kernels.head_norm_(y, heads, kv_heads, q_norm, k_norm, eps)
-        cos, sin = (c if c.is_contiguous() else c.contiguous() for c in position_embeddings)  # [1, T, dim]
-        kernels.rotary_(y, cos, sin, heads + kv_heads)
+            kernels.head_norm_(y, heads * dim, kv_heads * dim, q_norm, k_norm, eps)
+        if rotary:
+            cos, sin = (c if c.is_contiguous() else c.contiguous() for c in position_embeddings)  # [1, T, dim]
+            kernels.rotary_(y, cos, sin, heads + kv_heads)
         q = y[:, : heads * dim].view(t, heads, dim).transpose(0, 1)[None]
         k = y[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim).transpose(0, 1)[None]
         v = y[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim).transpose(0, 1)[None]
@@ -405,10 +450,17 @@ def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):
         a = o_proj(out.reshape(t, heads * dim))
         if norms["attn_out"][0] is not None:
             a, _ = kernels.rms_norm(a, None, *norms["attn_out"])
-        h, x = kernels.rms_norm(a, x, *norms["mlp"])
+        if residual_scale != 1.0:
+            a = a * residual_scale
+        if norms["mlp"][0] is None:
+            h = x = x + a
+        else:
+            h, x = kernels.rms_norm(a, x, *norms["mlp"])
         m = down(gate_up(h) if gate_up.gated else kernels.gated_act(gate_up(h), act))
         if norms["mlp_out"][0] is not None:
             m, _ = kernels.rms_norm(m, None, *norms["mlp_out"])
+        if residual_scale != 1.0:
+            m = m * residual_scale
         return (x + m).view(shape)
 
     return forward

@@ -113,6 +113,29 @@ def tiny_gemma3(seed: int = 0, window: int = 8, **kw):
     return _vary_norms(_tiny("Gemma3", seed, config_name="Gemma3Text", **{**config, **kw}))
 
 
+def tiny_olmo2(seed: int = 0):
+    """Norms of the attention's and the MLP's outputs only, queries and keys normalised across all heads at once
+    (OLMo2's), the norm weights varied so that they count."""
+    model = _tiny("Olmo2", seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__.endswith("RMSNorm"):
+                m.weight.normal_(1, 0.5)
+    return model
+
+
+def tiny_granite(seed: int = 0):
+    """Granite's multipliers: embeddings x 4, attention scores x 1 (not head_dim ** -0.5), the attention's and the
+    MLP's outputs x 0.5 before the residual, logits / 2."""
+    return _tiny("Granite", seed, embedding_multiplier=4.0, logits_scaling=2.0, residual_multiplier=0.5,
+                 attention_multiplier=1.0)
+
+
+def tiny_smollm3(seed: int = 0):
+    """SmolLM3: every second layer without the rotary embedding (here: the second of two)."""
+    return _tiny("SmolLM3", seed, no_rope_layer_interval=2)
+
+
 def tiny_qwen2(seed: int = 0):
     """Biases on q/k/v (Qwen2's attention)."""
     model = _tiny("Qwen2", seed)
