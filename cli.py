@@ -50,9 +50,9 @@ def _policy_arguments(parser: argparse.ArgumentParser) -> None:
 def _cpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-tokens", type=int, default=None,
                         help="tokens an int8 draft proposes per greedy decode on CPU (default 4 where it applies; 0: off)")
-    parser.add_argument("--weights", default=None, choices=["int8", "w8a8"],
+    parser.add_argument("--weights", default=None, choices=["int8", "w8a8", "bf16"],
                         help="int8: the linear layers through int8 copies of their weights; w8a8: their inputs rounded "
-                             "to int8 too (CPU; EngineConfig.weights)")
+                             "to int8 too; bf16: through bf16 copies (CPU; EngineConfig.weights)")
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -16,12 +16,12 @@ import time
 
 import torch
 
-WEIGHTS = ("fp32", "int8", "w8a8")
+WEIGHTS = ("fp32", "int8", "w8a8", "bf16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help='a local checkpoint directory, or "smollm2" (default)')
-    parser.add_argument("--weights", default="fp32,int8", help="comma-separated: fp32, int8, w8a8 (the first is the baseline)")
+    parser.add_argument("--weights", default="fp32,int8", help="comma-separated: fp32, int8, w8a8, bf16 (the first is the baseline)")
     parser.add_argument("--tokens", type=int, default=32768, help="tokens of the text to score (its start)")
     parser.add_argument("--window", type=int, default=1024, help="tokens a forward pass sees (windows do not overlap)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this file")
@@ -59,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
         if kind not in WEIGHTS:
             raise ValueError(f"--weights: unknown {kind!r} (known: {', '.join(WEIGHTS)})")
     if set(kinds) - {"fp32"} and not native.available():
-        raise ValueError("int8 and w8a8 weights need jitney's C++ kernels, which do not build here")
+        raise ValueError("int8, w8a8 and bf16 weights need jitney's C++ kernels, which do not build here")
     if args.tokens < 2 or args.window < 2:
         raise ValueError("--tokens and --window must be at least 2")
     model, tokenizer = load_model(args.model)

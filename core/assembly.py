@@ -129,7 +129,7 @@ def enter_cpu_paths(cfg: EngineConfig, model) -> list:
 
 
 def check_weights(cfg: EngineConfig, model) -> None:
-    """A `ValueError` saying why `EngineConfig.weights` ("int8" or "w8a8") cannot serve `model`, if it cannot."""
+    """A `ValueError` saying why `EngineConfig.weights` ("int8", "w8a8" or "bf16") cannot serve `model`, if it cannot."""
     weights = cfg.weights
     if weights is None:
         return

@@ -81,7 +81,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     an fp32 copy of their weights (twice the bf16 weights' memory). Costs: docs/reliability.md. Needs a CPU model,
     the C++ kernels, and an attention backend that declares `batch_invariant`; otherwise a `ValueError` at start-up."""
 
-    weights: Literal["int8", "w8a8"] | None = None
+    weights: Literal["int8", "w8a8", "bf16"] | None = None
     """`None`: the model's weights as loaded. `"int8"`: on CPU, every fp32 linear layer (the LM head included)
     computes through a copy of its weights rounded to int8, each output feature on its own scale (its largest
     magnitude / 127), with fp32 rows and fp32 sums (`kernels/cpu_linear.PanelLinear(quantized="int8")`): a quarter of the
@@ -93,7 +93,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     `"w8a8"`: the same int8 weights, and each linear's input rounded to int8 too, in blocks of 32 inputs each on
     its own scale; products summed exactly in int32 (AVX-512 VNNI), blocks in fp32. Steps of many rows compute
     faster; the rounding of the activations costs more quality than int8's (docs/benchmarks.md). Needs every
-    linear's input width to be a multiple of 32."""
+    linear's input width to be a multiple of 32. `"bf16"`: every fp32 linear through a copy of its weights rounded
+    to bfloat16 (half the bytes; rows and sums fp32, so tokens are `generate`'s over the rounded weights, and
+    fp32's exactly for a checkpoint published in bf16); speculation stays on (its draft is int8)."""
 
     check_model: bool = True
     """When the engine is entered, run a few positions through the model's own attention and through the path

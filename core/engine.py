@@ -141,7 +141,7 @@ class Engine:
             log.warning("speculative_tokens=%d needs the CPU's one-call decoder (fused fp32 Llama-like layers, full "
                         "attention, jitney's C++ kernels) and unpadded decode steps: decoding without it", k)
         if k is None:  # (with int8 weights the draft is the model itself: no faster, docs/benchmarks.md)
-            k = 0 if self.async_batching or self.config.weights else 4
+            k = 0 if self.async_batching or self.config.weights in ("int8", "w8a8") else 4
         return k if able else 0
 
     def on_forward_thread(self, fn):

@@ -37,9 +37,9 @@ def probe_tokens(vocab_size: int) -> list[list[int]]:
 def reference_logits(model, sequences: list[list[int]], weights: str | None = None) -> list[torch.Tensor]:
     """The model's own logits (its own attention, before the engine binds it) at each probe's last prompt token
     and at its decoded token; `weights` (`EngineConfig.weights`): with each fp32 linear's weight (and for "w8a8"
-    its input) rounded as the served path rounds them (`cpu_linear.Int8Reference`)."""
+    its input) rounded as the served path rounds them (`cpu_linear.QuantizedReference`)."""
     rows = []
-    rounded = cpu_linear.Int8Reference(model, activations=weights == "w8a8") if weights else contextlib.nullcontext()
+    rounded = cpu_linear.QuantizedReference(model, weights) if weights else contextlib.nullcontext()
     with rounded, torch.inference_mode():
         for seq in sequences:
             logits = model(input_ids=torch.tensor([seq], device=model.device), use_cache=False).logits[0]

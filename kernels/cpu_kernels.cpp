@@ -128,6 +128,19 @@ static inline v8 load8(const float* p) {
   return v;
 }
 
+// bf16 weights (`pack_panels` over bfloat16 blocks) are the upper halves of fp32 ones: widened exactly by a shift.
+typedef uint16_t h8 __attribute__((vector_size(16)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const uint16_t* p) {
+  h8 h;
+  std::memcpy(&h, p, sizeof h);
+  const u8 w = __builtin_convertvector(h, u8) << 16;
+  v8 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
 static inline float hsum(v8 v) {
 #if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector: halves added as vectors
   const v4 x = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
@@ -322,7 +335,7 @@ constexpr std::array<int32_t, 16> fold_index() {
 // Into L2 only: prefetches into L1 kept the few buffers that L1 misses wait in full. On an AMD EPYC, decode
 // attention read the cache at 15 GB/s where into L2 it reads 23-25 (SmolLM2's shapes, 64 rows at 300 positions,
 // 30 layers' caches), and linears of 4-16 rows ran 5-12% faster.
-static inline void prefetch_l2(const float* p) { __builtin_prefetch(p, 0, 2); }
+static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 template <int P>
 static inline __m512 fold(__m512 a, __m512 b) {
@@ -522,6 +535,7 @@ struct Panels {
   int64_t n = 0, k = 0;
   const int8_t* q = nullptr;  // set instead of `p` for `pack_panels_int8` weights
   const uint8_t* a8 = nullptr;  // set instead of `p` for `pack_panels_w8a8` weights (int8 activations too)
+  const uint16_t* h = nullptr;  // set instead of `p` for bf16 weights (`pack_panels` over bfloat16 blocks)
   bool gated = false;  // `pack_panels_gated` weights: the output is act(gate) * up, n / 2 features
   int64_t act = 0;  // the gate's activation (`Activation`)
 };
@@ -577,46 +591,69 @@ static std::pair<int64_t, int64_t> stacked_shape(const std::vector<torch::Tensor
   int64_t n = 0;
   for (const auto& w : ws) {
     TORCH_CHECK(w.dim() == 2 && w.size(1) == k && w.scalar_type() == dtype && w.device().is_cpu(),
-                "pack_panels: ", dtype == torch::kFloat ? "fp32" : "int8", " weights [N, K], on the CPU");
+                "pack_panels: ", dtype == torch::kChar ? "int8 weights" : "fp32 weights (or all bf16)", " [N, K], on the CPU");
     n += w.size(0);
   }
   return {n, k};
 }
 
-// The row blocks `ws` ([N_i, K] each) stacked, so that q, k and v (or gate and up) projections compute as one.
-torch::Tensor pack_panels(std::vector<torch::Tensor> ws) {
-  const auto [n, k] = stacked_shape(ws);
-  auto out = huge_page_tensor({(n + PANEL - 1) / PANEL, k, PANEL});
-  float* op = out.data_ptr<float>();
+// fp32 or bf16 weights (as 16-bit words) of a tensor.
+template <typename T>
+static T* data_of(const torch::Tensor& t) {
+  if constexpr (std::is_same_v<T, uint16_t>) return reinterpret_cast<T*>(t.data_ptr<at::BFloat16>());
+  else return t.data_ptr<T>();
+}
+
+template <typename T>
+static torch::Tensor pack_panels_as(const std::vector<torch::Tensor>& ws, int64_t n, int64_t k) {
+  auto out = huge_page_tensor({(n + PANEL - 1) / PANEL, k, PANEL}, ws[0].scalar_type());
+  T* op = data_of<T>(out);
   int64_t j = 0;  // output feature
   for (const auto& block : ws) {
     const auto w = block.contiguous();
-    const float* wp = w.data_ptr<float>();
+    const T* wp = data_of<T>(w);
     for (int64_t i = 0; i < w.size(0); ++i, ++j) {
-      float* column = op + (j / PANEL) * k * PANEL + j % PANEL;
+      T* column = op + (j / PANEL) * k * PANEL + j % PANEL;
       for (int64_t c = 0; c < k; ++c) column[c * PANEL] = wp[i * k + c];
     }
   }
   return out;
 }
 
+// The row blocks `ws` ([N_i, K] each, all fp32 or all bf16) stacked, so that q, k and v (or gate and up)
+// projections compute as one. bf16 blocks give bf16 panels, half the bytes, which `panel_linear` widens to fp32
+// as it loads them (fp32 rows, fp32 sums).
+torch::Tensor pack_panels(std::vector<torch::Tensor> ws) {
+  TORCH_CHECK(!ws.empty(), "pack_panels: at least one weight");
+  const bool half = ws[0].scalar_type() == torch::kBFloat16;
+  const auto [n, k] = stacked_shape(ws, half ? torch::kBFloat16 : torch::kFloat);
+  return half ? pack_panels_as<uint16_t>(ws, n, k) : pack_panels_as<float>(ws, n, k);
+}
+
 // A gated MLP's gate and up projections ([I, K] each, I a multiple of 16) packed for `panel_linear(..., gated)`,
 // which computes silu(x @ gate.T) * (x @ up.T) in one pass: their panels in turns (gate's first 16 features, up's
 // first 16, ...), so that the kernel's pairs of panels are a gate panel and its up panel, whose outputs it
 // combines in registers' reach instead of writing both out for a second pass to read back.
-torch::Tensor pack_panels_gated(torch::Tensor gate, torch::Tensor up) {
-  const auto [n, k] = stacked_shape({gate, up});
-  TORCH_CHECK(gate.sizes() == up.sizes() && gate.size(0) % PANEL == 0, "pack_panels_gated: gate and up [I, K], I a multiple of 16");
-  auto out = huge_page_tensor({n / PANEL, k, PANEL});
-  float* op = out.data_ptr<float>();
+template <typename T>
+static torch::Tensor pack_panels_gated_as(const torch::Tensor& gate, const torch::Tensor& up, int64_t n, int64_t k) {
+  auto out = huge_page_tensor({n / PANEL, k, PANEL}, gate.scalar_type());
+  T* op = data_of<T>(out);
   const auto g = gate.contiguous(), u = up.contiguous();
   for (int64_t i = 0; i < n / 2; ++i)
     for (int which = 0; which < 2; ++which) {
-      const float* row = (which ? u : g).data_ptr<float>() + i * k;
-      float* column = op + (2 * (i / PANEL) + which) * k * PANEL + i % PANEL;
+      const T* row = data_of<T>(which ? u : g) + i * k;
+      T* column = op + (2 * (i / PANEL) + which) * k * PANEL + i % PANEL;
       for (int64_t c = 0; c < k; ++c) column[c * PANEL] = row[c];
     }
   return out;
+}
+
+// (fp32 or bf16, as `pack_panels`)
+torch::Tensor pack_panels_gated(torch::Tensor gate, torch::Tensor up) {
+  const bool half = gate.scalar_type() == torch::kBFloat16;
+  const auto [n, k] = stacked_shape({gate, up}, half ? torch::kBFloat16 : torch::kFloat);
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.size(0) % PANEL == 0, "pack_panels_gated: gate and up [I, K], I a multiple of 16");
+  return half ? pack_panels_gated_as<uint16_t>(gate, up, n, k) : pack_panels_gated_as<float>(gate, up, n, k);
 }
 
 // Output features and input width of the int8 row blocks `qs` stacked, checked against their `scales`.
@@ -661,14 +698,15 @@ static inline void store_panel(const v8* acc, float* y, int64_t cols, const floa
 }
 
 // rows x 16 outputs of one panel: every weight loaded once per row tile, 2 * ROWS accumulators in registers.
-template <int ROWS>
-static inline void panel_tile(const float* xp, int64_t k, const float* panel, float* yp, int64_t ldy, int64_t cols,
-                              const float* bias, const float* next) {
+// W: the weights' type, float or bf16 (uint16_t, widened as loaded; the same sums as over their fp32 values).
+template <int ROWS, typename W = float>
+static inline void panel_tile(const float* xp, int64_t k, const W* panel, float* yp, int64_t ldy, int64_t cols,
+                              const float* bias, const W* next) {
   v8 acc[ROWS][2];
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = v8{};
   for (int64_t c = 0; c < k; ++c) {
-    const v8 w0 = *(const v8*)(panel + c * PANEL);
-    const v8 w1 = *(const v8*)(panel + c * PANEL + 8);
+    const v8 w0 = load8(panel + c * PANEL);
+    const v8 w1 = load8(panel + c * PANEL + 8);
     if (next) __builtin_prefetch(next + c * PANEL);
     for (int r = 0; r < ROWS; ++r) {
       const float s = xp[r * k + c];
@@ -685,15 +723,15 @@ static inline void panel_tile(const float* xp, int64_t k, const float* panel, fl
 // this machine's two cores: at one row 17-20 GB/s against torch's plain sum at 19-22 (one panel at a time with
 // the prefetch: 14.5-19.6 against 22-24); at two and three rows 19-22 and 19-21 GB/s (before: 18-19 and
 // 15-19). Four rows (16 accumulators) read the same as their 6-row tile within the noise: not taken.
-template <int ROWS>
-static inline void panel_pair(const float* xp, int64_t k, const float* panel, float* yp, int64_t ldy, int64_t cols2,
+template <int ROWS, typename W = float>
+static inline void panel_pair(const float* xp, int64_t k, const W* panel, float* yp, int64_t ldy, int64_t cols2,
                               const float* bias) {
-  const float* second = panel + k * PANEL;
+  const W* second = panel + k * PANEL;
   v8 a[ROWS][2], b[ROWS][2];
   for (int r = 0; r < ROWS; ++r) a[r][0] = a[r][1] = b[r][0] = b[r][1] = v8{};
   for (int64_t c = 0; c < k; ++c) {
-    const v8 w0 = *(const v8*)(panel + c * PANEL), w1 = *(const v8*)(panel + c * PANEL + 8);
-    const v8 u0 = *(const v8*)(second + c * PANEL), u1 = *(const v8*)(second + c * PANEL + 8);
+    const v8 w0 = load8(panel + c * PANEL), w1 = load8(panel + c * PANEL + 8);
+    const v8 u0 = load8(second + c * PANEL), u1 = load8(second + c * PANEL + 8);
     for (int r = 0; r < ROWS; ++r) {
       const float s = xp[r * k + c];
       a[r][0] += s * w0;
@@ -709,8 +747,9 @@ static inline void panel_pair(const float* xp, int64_t k, const float* panel, fl
 }
 
 // `panel_tile` for 1 to 6 rows.
-static inline void panel_tile_rows(int64_t rows, const float* xp, int64_t k, const float* panel, float* yp, int64_t ldy,
-                                   int64_t cols, const float* bias, const float* next) {
+template <typename W>
+static inline void panel_tile_rows(int64_t rows, const float* xp, int64_t k, const W* panel, float* yp, int64_t ldy,
+                                   int64_t cols, const float* bias, const W* next) {
   switch (rows) {
     case 6: panel_tile<6>(xp, k, panel, yp, ldy, cols, bias, next); break;
     case 5: panel_tile<5>(xp, k, panel, yp, ldy, cols, bias, next); break;
@@ -730,16 +769,32 @@ typedef float v16 __attribute__((vector_size(64)));
 // machine, SmolLM2's linears at 16-256 rows: `panel_tile` on 8-wide vectors 113-119 GFLOP/s (one shape, one run), this
 // at 6 / 8 / 12 rows a tile 159-223 / 181-230 / 219-295 (best of four alternating processes; torch's probe: 226-262).
 // `next` (the panels of the unit a thread takes next) is prefetched into L2 only (`prefetch_l2`).
-template <int ROWS>
-static inline void panel_tile16(const float* xp, int64_t k, const float* panel, const float* second, float* yp, int64_t ldy,
-                                int64_t cols2, const float* bias, const float* next) {
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+
+static inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline v16 load16(const uint16_t* p) {  // bf16, widened (see `load8`)
+  h16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u16v w = __builtin_convertvector(h, u16v) << 16;
+  v16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+template <int ROWS, typename W = float>
+static inline void panel_tile16(const float* xp, int64_t k, const W* panel, const W* second, float* yp, int64_t ldy,
+                                int64_t cols2, const float* bias, const W* next) {
   v16 a[ROWS], b[ROWS];
   for (int r = 0; r < ROWS; ++r) a[r] = b[r] = v16{};
   for (int64_t c = 0; c < k; ++c) {
-    v16 w, u;
-    std::memcpy(&w, panel + c * PANEL, sizeof w);
-    std::memcpy(&u, second + c * PANEL, sizeof u);
-    if (next) {
+    const v16 w = load16(panel + c * PANEL), u = load16(second + c * PANEL);
+    if (next && (sizeof(W) == 4 || c % 2 == 0)) {  // (a line a row of fp32 panels, two of bf16 ones)
       prefetch_l2(next + c * PANEL);
       prefetch_l2(next + (k + c) * PANEL);
     }
@@ -756,13 +811,54 @@ static inline void panel_tile16(const float* xp, int64_t k, const float* panel, 
 }
 
 // `panel_tile16` for 1 to R rows (`second`: the other panel, which a packed linear's next one is).
-template <int R>
-static inline void panel_tile16_rows(int64_t rows, const float* xp, int64_t k, const float* panel, const float* second,
-                                     float* yp, int64_t ldy, int64_t cols2, const float* bias, const float* next) {
+template <int R, typename W = float>
+static inline void panel_tile16_rows(int64_t rows, const float* xp, int64_t k, const W* panel, const W* second,
+                                     float* yp, int64_t ldy, int64_t cols2, const float* bias, const W* next) {
   if constexpr (R > 1)
-    if (rows < R) return panel_tile16_rows<R - 1>(rows, xp, k, panel, second, yp, ldy, cols2, bias, next);
+    if (rows < R) return panel_tile16_rows<R - 1, W>(rows, xp, k, panel, second, yp, ldy, cols2, bias, next);
   panel_tile16<R>(xp, k, panel, second, yp, ldy, cols2, bias, next);
 }
+
+// ROWS rows (one to three) x NP neighbouring panels (bf16) on 512-bit vectors, into t (`ldt` floats a row, the
+// outputs of panel q at q * 16): each panel's 16 weights widened once, ROWS * NP accumulator chains. At one row
+// `panel_tile16`'s two chains wait on each other's FMAs and a bf16 pass ran no faster than fp32's (52-55 against
+// 59-61 tok/s, SmolLM2 one stream). The same sums in the same order as `panel_tile16`: a row's outputs do not
+// depend on the rows computed with it.
+template <int ROWS, int NP, typename W>
+static inline void panel_few(const float* xp, int64_t k, const W* panel, float* t, int64_t ldt) {
+  v16 acc[ROWS][NP];
+  for (int r = 0; r < ROWS; ++r)
+    for (int q = 0; q < NP; ++q) acc[r][q] = v16{};
+  for (int64_t c = 0; c < k; ++c) {
+    v16 w[NP];
+    for (int q = 0; q < NP; ++q) w[q] = load16(panel + q * k * PANEL + c * PANEL);
+    for (int r = 0; r < ROWS; ++r) {
+      const float s = xp[r * k + c];
+      for (int q = 0; q < NP; ++q) acc[r][q] += s * w[q];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int q = 0; q < NP; ++q) std::memcpy(t + r * ldt + q * PANEL, &acc[r][q], sizeof acc[r][q]);
+}
+
+// `panel_few` for 1 to 3 rows and `count` (at most 8) panels: eight at once, else one at a time.
+template <typename W>
+static inline void panel_few_rows(int64_t rows, int64_t count, const float* xp, int64_t k, const W* panel, float* t,
+                                  int64_t ldt) {
+  constexpr int NP = 8;  // (24 accumulators and 8 weights of the 32 registers at three rows)
+  if (count == NP) {
+    if (rows == 3) panel_few<3, NP>(xp, k, panel, t, ldt);
+    else if (rows == 2) panel_few<2, NP>(xp, k, panel, t, ldt);
+    else panel_few<1, NP>(xp, k, panel, t, ldt);
+    return;
+  }
+  for (int64_t q = 0; q < count; ++q) {
+    if (rows == 3) panel_few<3, 1>(xp, k, panel + q * k * PANEL, t + q * PANEL, ldt);
+    else if (rows == 2) panel_few<2, 1>(xp, k, panel + q * k * PANEL, t + q * PANEL, ldt);
+    else panel_few<1, 1>(xp, k, panel + q * k * PANEL, t + q * PANEL, ldt);
+  }
+}
+
 #endif
 
 typedef int8_t c8 __attribute__((vector_size(8)));
@@ -1176,6 +1272,9 @@ static inline void add_tile(float* y, const float* a, int64_t rows, int64_t cols
 // `add` ([M, N] like y), where given, is added to each tile as soon as it is stored (a decoder layer's residual,
 // without a pass of its own: a 20-decode + 236-token step of SmolLM2 184 -> 178-182 ms, the same process
 // alternating); not with gated weights.
+template <typename W>
+static void panel_rows_of(const float* xp, int64_t m, const Panels& w, const W* pp, float* yp, bool small, const float* add);
+
 static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small, const float* add = nullptr) {
   TORCH_CHECK(!(add && w.gated), "panel_rows: no residual with gated weights");
   if (w.q || w.a8) {
@@ -1184,12 +1283,54 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
     if (add) add_tile(yp, add, m, w.n, w.n);
     return;
   }
+  if (w.h) panel_rows_of(xp, m, w, w.h, yp, small, add);
+  else panel_rows_of(xp, m, w, w.p, yp, small, add);
+}
+
+#ifdef __AVX512F__
+// `panel_rows` for one to three rows of bf16 panels: groups of eight panels a task through `panel_few`, each
+// group's outputs stored from the tile (the bias added, gated or the residual added as `panel_rows` does).
+template <typename W>
+static void panel_rows_few(const float* xp, int64_t m, const Panels& w, const W* pp, float* yp, bool small, const float* add) {
+  constexpr int64_t NP = 8;
+  const int64_t k = w.k, n = w.n, ny = w.gated ? n / 2 : n, panels = (n + PANEL - 1) / PANEL;
+  parallel((panels + NP - 1) / NP, 1, small, [&](int64_t begin, int64_t end) {
+    float t[3 * NP * PANEL];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p = g * NP, count = std::min(NP, panels - p), j = p * PANEL;
+      panel_few_rows(m, count, xp, k, pp + p * k * PANEL, t, NP * PANEL);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t q = 0; q < count; q += w.gated ? 2 : 1) {
+          const float* row = t + r * NP * PANEL + q * PANEL;
+          const float* b = w.bias ? w.bias + j + q * PANEL : nullptr;
+          if (w.gated) {
+            float both[2 * PANEL];
+            store_panel(reinterpret_cast<const v8*>(row), both, PANEL, b);
+            store_panel(reinterpret_cast<const v8*>(row + PANEL), both + PANEL, PANEL, b ? b + PANEL : nullptr);
+            gated_store(both, 1, yp + r * ny + (j + q * PANEL) / 2, ny, w.act);
+          } else {
+            const int64_t cols = std::min(PANEL, n - j - q * PANEL);
+            float* y = yp + r * n + j + q * PANEL;
+            store_panel(reinterpret_cast<const v8*>(row), y, cols, b);
+            if (add) add_tile(y, add + r * n + j + q * PANEL, 1, cols, n);
+          }
+        }
+    }
+  });
+}
+#endif
+
+// `panel_rows` over fp32 or bf16 panels (W: float or uint16_t).
+template <typename W>
+static void panel_rows_of(const float* xp, int64_t m, const Panels& w, const W* pp, float* yp, bool small, const float* add) {
   constexpr int64_t TILE = 6;
   const int64_t k = w.k, n = w.n, ny = w.gated ? n / 2 : n;  // ny: the outputs a row
-  const float *pp = w.p, *bias = w.bias;
+  const float* bias = w.bias;
   const int64_t panels = (n + PANEL - 1) / PANEL;
   const int64_t rows_per_block = std::max<int64_t>(TILE, (262144 / (4 * k)) / TILE * TILE);
 #ifdef __AVX512F__
+  if constexpr (sizeof(W) == 2)  // (fp32 panels through it: 66-70 against 63-67 tok/s, within the noise)
+    if (m <= 3) return panel_rows_few(xp, m, w, pp, yp, small, add);
   if (m > 3) {
     // Pairs of panels through 16-wide vectors, in one parallel region: each unit of work is one block of
     // rows (x stays in L2) times one pair of panels, block after block. Each thread works through its own
@@ -1207,18 +1348,19 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
         const int64_t t = (begin + i) % threads, end = units * (t + 1) / threads;
         for (int64_t u; (u = taken[t].fetch_add(1, std::memory_order_relaxed)) < end;) {
           const int64_t first = u / pairs * rows16, last = std::min(m, first + rows16), p = 2 * (u % pairs);
-          const float *panel = pp + p * k * PANEL, *b = bias ? bias + p * PANEL : nullptr;
+          const W* panel = pp + p * k * PANEL;
+          const float* b = bias ? bias + p * PANEL : nullptr;
           const int64_t j = p * PANEL, cols2 = std::min(PANEL, n - j - PANEL);
-          const float* next = u + 1 < end ? pp + 2 * ((u + 1) % pairs) * k * PANEL : nullptr;
+          const W* next = u + 1 < end ? pp + 2 * ((u + 1) % pairs) * k * PANEL : nullptr;
           for (int64_t r = first; r < last; r += TILE16) {
             const int64_t rows = std::min(TILE16, last - r);
             if (w.gated) {
               float t[TILE16 * 2 * PANEL];
-              panel_tile16_rows<TILE16>(rows, xp + r * k, k, panel, panel + k * PANEL, t, 2 * PANEL, PANEL, b,
+              panel_tile16_rows<TILE16, W>(rows, xp + r * k, k, panel, panel + k * PANEL, t, 2 * PANEL, PANEL, b,
                                         r == first ? next : nullptr);
               gated_store(t, rows, yp + r * ny + j / 2, ny, w.act);
             } else {
-              panel_tile16_rows<TILE16>(rows, xp + r * k, k, panel, panel + k * PANEL, yp + r * n + j, n, cols2, b,
+              panel_tile16_rows<TILE16, W>(rows, xp + r * k, k, panel, panel + k * PANEL, yp + r * n + j, n, cols2, b,
                                         r == first ? next : nullptr);
               if (add) add_tile(yp + r * n + j, add + r * n + j, rows, PANEL + cols2, n);
             }
@@ -1229,7 +1371,7 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
     if (panels % 2) {  // the odd one left, on this thread
       const int64_t j = (panels - 1) * PANEL;
       for (int64_t r = 0; r < m; r += TILE) {
-        panel_tile_rows(std::min(TILE, m - r), xp + r * k, k, pp + (panels - 1) * k * PANEL, yp + r * n + j, n,
+        panel_tile_rows<W>(std::min(TILE, m - r), xp + r * k, k, pp + (panels - 1) * k * PANEL, yp + r * n + j, n,
                         n - j, bias ? bias + j : nullptr, nullptr);
         if (add) add_tile(yp + r * n + j, add + r * n + j, std::min(TILE, m - r), n - j, n);
       }
@@ -1243,16 +1385,17 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
       parallel(panels / 2, 1, small, [&](int64_t begin, int64_t end) {
         float t[TILE * 2 * PANEL];
         for (int64_t i = begin; i < end; ++i) {
-          const float *panel = pp + 2 * i * k * PANEL, *b = bias ? bias + 2 * i * PANEL : nullptr;
-          const float* next = i + 1 < end ? panel + 2 * k * PANEL : nullptr;
+          const W* panel = pp + 2 * i * k * PANEL;
+          const float* b = bias ? bias + 2 * i * PANEL : nullptr;
+          const W* next = i + 1 < end ? panel + 2 * k * PANEL : nullptr;
           for (int64_t r = first; r < last; r += TILE) {
             const int64_t rows = std::min(TILE, last - r);
-            if (rows == 3) panel_pair<3>(xp + r * k, k, panel, t, 2 * PANEL, PANEL, b);
-            else if (rows == 2) panel_pair<2>(xp + r * k, k, panel, t, 2 * PANEL, PANEL, b);
-            else if (rows == 1) panel_pair<1>(xp + r * k, k, panel, t, 2 * PANEL, PANEL, b);
+            if (rows == 3) panel_pair<3, W>(xp + r * k, k, panel, t, 2 * PANEL, PANEL, b);
+            else if (rows == 2) panel_pair<2, W>(xp + r * k, k, panel, t, 2 * PANEL, PANEL, b);
+            else if (rows == 1) panel_pair<1, W>(xp + r * k, k, panel, t, 2 * PANEL, PANEL, b);
             else {
-              panel_tile_rows(rows, xp + r * k, k, panel, t, 2 * PANEL, PANEL, b, r == first ? next : nullptr);
-              panel_tile_rows(rows, xp + r * k, k, panel + k * PANEL, t + PANEL, 2 * PANEL, PANEL, b ? b + PANEL : nullptr,
+              panel_tile_rows<W>(rows, xp + r * k, k, panel, t, 2 * PANEL, PANEL, b, r == first ? next : nullptr);
+              panel_tile_rows<W>(rows, xp + r * k, k, panel + k * PANEL, t + PANEL, 2 * PANEL, PANEL, b ? b + PANEL : nullptr,
                               r == first && next ? next + k * PANEL : nullptr);
             }
             gated_store(t, rows, yp + r * ny + i * PANEL, ny, w.act);
@@ -1268,26 +1411,27 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
       int64_t p = begin;
       if (last - first <= 3) {  // up to three rows: panels in pairs
         for (; p + 1 < end; p += 2) {
-          const float *panel = pp + p * k * PANEL, *b = bias ? bias + p * PANEL : nullptr;
+          const W* panel = pp + p * k * PANEL;
+          const float* b = bias ? bias + p * PANEL : nullptr;
           float* y = yp + first * n + p * PANEL;
           const int64_t cols2 = std::min(PANEL, n - (p + 1) * PANEL);
           if (last - first == 3)
-            panel_pair<3>(xp + first * k, k, panel, y, n, cols2, b);
+            panel_pair<3, W>(xp + first * k, k, panel, y, n, cols2, b);
           else if (last - first == 2)
-            panel_pair<2>(xp + first * k, k, panel, y, n, cols2, b);
+            panel_pair<2, W>(xp + first * k, k, panel, y, n, cols2, b);
           else
-            panel_pair<1>(xp + first * k, k, panel, y, n, cols2, b);
+            panel_pair<1, W>(xp + first * k, k, panel, y, n, cols2, b);
           if (add) add_tile(y, add + first * n + p * PANEL, last - first, PANEL + cols2, n);
         }
       }
       for (; p < end; ++p) {
-        const float* panel = pp + p * k * PANEL;
+        const W* panel = pp + p * k * PANEL;
         const int64_t j = p * PANEL, cols = std::min(PANEL, n - j);
         const float* b = bias ? bias + j : nullptr;
         for (int64_t r = first; r < last; r += TILE) {
           // the first tile brings the next panel into cache while it computes
-          const float* next = r == first && p + 1 < end ? panel + k * PANEL : nullptr;
-          panel_tile_rows(std::min(TILE, last - r), xp + r * k, k, panel, yp + r * n + j, n, cols, b, next);
+          const W* next = r == first && p + 1 < end ? panel + k * PANEL : nullptr;
+          panel_tile_rows<W>(std::min(TILE, last - r), xp + r * k, k, panel, yp + r * n + j, n, cols, b, next);
           if (add) add_tile(yp + r * n + j, add + r * n + j, std::min(TILE, last - r), cols, n);
         }
       }
@@ -1309,10 +1453,13 @@ static Panels panels_of(const torch::Tensor& packed, int64_t n, const torch::Ten
                 packed.size(1) > PANEL * 4, "panel_linear: int8 weights from pack_panels_int8");
     w = Panels{nullptr, nullptr, n, (packed.size(1) - PANEL * 4) / PANEL, packed.data_ptr<int8_t>()};
   } else {
+    const bool half = packed.scalar_type() == torch::kBFloat16;
     TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(2) == PANEL && packed.size(0) * PANEL >= n &&
-                packed.scalar_type() == torch::kFloat && reinterpret_cast<uintptr_t>(packed.data_ptr<float>()) % 32 == 0,
+                (half || packed.scalar_type() == torch::kFloat) && reinterpret_cast<uintptr_t>(packed.data_ptr()) % 32 == 0,
                 "panel_linear: weights from pack_panels");
-    w = Panels{packed.data_ptr<float>(), nullptr, n, packed.size(1)};
+    w = Panels{nullptr, nullptr, n, packed.size(1)};
+    if (half) w.h = data_of<uint16_t>(packed);
+    else w.p = packed.data_ptr<float>();
   }
   if (bias.defined() && bias.numel() > 0) {
     TORCH_CHECK(bias.is_contiguous() && bias.numel() == n && bias.scalar_type() == torch::kFloat,
@@ -1431,14 +1578,14 @@ static void prefill_attention(const float* qp, int64_t q_stride, int64_t rows_in
           for (; c + 2 * KEYS <= span; c += 2 * KEYS) {
             const float* kt = kh + (a + c - first_key) / KEYS * panel_floats;
             for (int64_t i = 0; i < nq; i += 12)
-              panel_tile16_rows<12>(std::min<int64_t>(12, nq - i), qs.data() + i * dim, dim, kt, kt + panel_floats,
+              panel_tile16_rows<12, float>(std::min<int64_t>(12, nq - i), qs.data() + i * dim, dim, kt, kt + panel_floats,
                                     scores.data() + i * span + c, span, KEYS, nullptr, nullptr);
           }
 #endif
         for (; c < span; c += KEYS) {
           const float* kt = kh + (a + c - first_key) / KEYS * panel_floats;
           for (int64_t i = 0; i < nq; i += 6)
-            panel_tile_rows(std::min<int64_t>(6, nq - i), qs.data() + i * dim, dim, kt, scores.data() + i * span + c,
+            panel_tile_rows<float>(std::min<int64_t>(6, nq - i), qs.data() + i * dim, dim, kt, scores.data() + i * span + c,
                             span, KEYS, nullptr, nullptr);
         }
         for (int64_t i = 0; i < nq; ++i) {  // scores -> weights (0 outside the query's keys [c0, c1))
@@ -1470,13 +1617,13 @@ static void prefill_attention(const float* qp, int64_t q_stride, int64_t rows_in
         for (; p + 2 <= dim / PANEL; p += 2) {  // two whole panels of 16 dims at a time
           const float* vt = vh + p * panel_stride + (a - first_key) * PANEL;
           for (int64_t i = 0; i < nq; i += 12)
-            panel_tile16_rows<12>(std::min<int64_t>(12, nq - i), scores.data() + i * span, span, vt, vt + panel_stride,
+            panel_tile16_rows<12, float>(std::min<int64_t>(12, nq - i), scores.data() + i * span, span, vt, vt + panel_stride,
                                   part.data() + i * dim + p * PANEL, dim, PANEL, nullptr, nullptr);
         }
 #endif
         for (; p < dim_panels; ++p)
           for (int64_t i = 0; i < nq; i += 6)
-            panel_tile_rows(std::min<int64_t>(6, nq - i), scores.data() + i * span, span,
+            panel_tile_rows<float>(std::min<int64_t>(6, nq - i), scores.data() + i * span, span,
                             vh + p * panel_stride + (a - first_key) * PANEL, part.data() + i * dim + p * PANEL, dim,
                             std::min(PANEL, dim - p * PANEL), nullptr, nullptr);
         for (int64_t i = 0; i < nq; ++i) {

@@ -24,7 +24,8 @@ weights proposes tokens, the fp32 one checks them all in one pass.
 
 `FusedLayers(model, quantized="int8")` (`EngineConfig.weights`) packs every one of those linears, the LM head
 included, as int8 (`cpu_linear.PanelLinear(quantized=...)`; "w8a8": int8 activations too): the same kernels
-and order, a quarter of the weights' bytes. Such a decoder is its own draft.
+and order, a quarter of the weights' bytes. Such a decoder is its own draft. "bf16": the weights rounded to
+bfloat16, half their bytes, rows and sums in fp32 (the draft stays int8).
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def supported(layer: nn.Module) -> bool:
 
 class FusedLayers:
     """While entered, every supported decoder layer of `model` runs fused (see the module's docstring);
-    `quantized`: over int8 copies of the weights ("int8" or "w8a8", `cpu_linear.PanelLinear`)."""
+    `quantized`: over int8 or bf16 copies of the weights ("int8", "w8a8" or "bf16", `cpu_linear.PanelLinear`)."""
 
     def __init__(self, model: nn.Module, quantized: str | None = None):
         self.model = model
@@ -266,7 +267,7 @@ class FusedDecoder:
         self.rope_types = sorted(set(config.layer_types)) if type(inner).__name__ in ROTARY_PER_LAYER_TYPE else None
         """The kinds of layer whose angles the rotary embedding computes apart (each layer takes its kind's)."""
         self.native = self._native(layers, head.packed, head.bias, gated=gated)
-        self._draft = self.native if quantized else None
+        self._draft = self.native if quantized in ("int8", "w8a8") else None
         self.argmax = kernels.argmax_rows
         """torch.argmax's tokens, off OpenMP (see `argmax_rows` in `cpu_kernels.cpp`)."""
 
@@ -409,10 +410,10 @@ class _LayerLinears:
         self.o = _stacked(o, quantized)
         self.activation = _activation(layer)
         width = sum(m.out_features for m in gate_up) // 2  # the MLP's
-        if width % 16 == 0 and not quantized:
+        if width % 16 == 0 and quantized in (None, "bf16"):
             weights = [m.weight.detach() for m in gate_up]
             gate_and_up = weights if len(weights) == 2 else list(weights[0].split(width))  # (one linear: its halves)
-            self.gate_up = cpu_linear.PanelLinear(gate_and_up, _stacked_bias(gate_up), gated=True,
+            self.gate_up = cpu_linear.PanelLinear(gate_and_up, _stacked_bias(gate_up), gated=True, quantized=quantized,
                                                   activation=self.activation)
         else:
             self.gate_up = _stacked(gate_up, quantized)

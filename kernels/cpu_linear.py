@@ -34,8 +34,8 @@ class PackedLinears:
     depends on the number of rows (a row's output differed by up to 4e-3 alone vs in a batch); the panel kernel
     sums every row the same way.
 
-    `quantized` (`EngineConfig.weights`: "int8" or "w8a8"): the fp32 linears through int8 copies of their weights
-    (`PanelLinear(quantized=...)`)."""
+    `quantized` (`EngineConfig.weights`: "int8", "w8a8" or "bf16"): the fp32 linears through int8 (bf16) copies of
+    their weights (`PanelLinear(quantized=...)`)."""
 
     def __init__(self, model: nn.Module, skip: set[nn.Module] | frozenset = frozenset(), widen: bool = False,
                  quantized: str | None = None):
@@ -81,20 +81,23 @@ class PanelLinear:
     magnitude / 127; `int8_weights`), a quarter of the bytes. "int8": rows and sums stay fp32. "w8a8": the rows
     are rounded to int8 too, each block of 32 inputs on its own scale (`int8_activations`), their products summed
     exactly in int32 a block at a time (AVX-512 VNNI), the blocks' sums in fp32; input widths a multiple of 32.
-    Not with `gated`."""
+    int8 not with `gated`. "bf16": each weight rounded to bfloat16 (to nearest, ties to even), half the bytes,
+    widened back to fp32 as the kernel loads it: the same sums as fp32 over the rounded weights (`rounded`)."""
 
     def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, gated: bool = False,
                  quantized: str | None = None, activation: str = "silu"):
-        if quantized not in (None, "int8", "w8a8"):
-            raise ValueError(f"PanelLinear: quantized is None, 'int8' or 'w8a8', not {quantized!r}")
-        if gated and quantized:
+        if quantized not in (None, "int8", "w8a8", "bf16"):
+            raise ValueError(f"PanelLinear: quantized is None, 'int8', 'w8a8' or 'bf16', not {quantized!r}")
+        if gated and quantized in ("int8", "w8a8"):
             raise ValueError("PanelLinear: int8 weights are not packed gated (stack gate and up instead)")
         if activation not in ACTIVATIONS:
             raise ValueError(f"PanelLinear: activation is one of {sorted(ACTIVATIONS)}, not {activation!r}")
         kernels = native.load()
         self.gated = gated
         self.act = ACTIVATIONS[activation]
-        if quantized:
+        if quantized == "bf16":
+            weights = [w.detach().to(torch.bfloat16) for w in weights]
+        if quantized in ("int8", "w8a8"):
             self.packed = pack_int8(weights, activations=quantized == "w8a8")
         else:
             self.packed = kernels.pack_panels_gated(*weights) if gated else kernels.pack_panels(weights)
@@ -144,22 +147,27 @@ def int8_rounded(weight: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
-class Int8Reference:
-    """While entered, every fp32 `nn.Linear` of `model` computes through `F.linear` with its weight as the int8
-    path rounds it (`int8_rounded`; `activations`: its input as "w8a8" rounds it, `int8_activations`): torch's
-    reference for `EngineConfig.weights` (the start-up check's, the tests'). Forwards are patched, not weights
-    (a tied embedding shares the LM head's weight)."""
+def rounded(weight: torch.Tensor, weights: str) -> torch.Tensor:
+    """`weight` (fp32) as a `PanelLinear(quantized=weights)` computes with it, in fp32."""
+    return weight.to(torch.bfloat16).float() if weights == "bf16" else int8_rounded(weight)
 
-    def __init__(self, model: nn.Module, activations: bool = False):
+
+class QuantizedReference:
+    """While entered, every fp32 `nn.Linear` of `model` computes through `F.linear` with its weight as the
+    `weights` path ("int8", "w8a8" or "bf16") rounds it (`rounded`; "w8a8": its input rounded too,
+    `int8_activations`): torch's reference for `EngineConfig.weights` (the start-up check's, the tests').
+    Forwards are patched, not weights (a tied embedding shares the LM head's weight)."""
+
+    def __init__(self, model: nn.Module, weights: str):
         self.model = model
-        self.activations = activations
+        self.weights = weights
         self.patched: list[nn.Linear] = []
 
-    def __enter__(self) -> "Int8Reference":
+    def __enter__(self) -> "QuantizedReference":
         for m in self.model.modules():
             if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32:  # (what `PackedLinears` packs)
-                linear = functools.partial(F.linear, weight=int8_rounded(m.weight.detach()), bias=m.bias)
-                m.forward = (lambda x, f=linear: f(int8_activations(x))) if self.activations else linear
+                linear = functools.partial(F.linear, weight=rounded(m.weight.detach(), self.weights), bias=m.bias)
+                m.forward = (lambda x, f=linear: f(int8_activations(x))) if self.weights == "w8a8" else linear
                 self.patched.append(m)
         return self
 

@@ -1,7 +1,8 @@
 """int8 weights (`EngineConfig(weights="int8")`): greedy tokens are `generate`'s with every linear's weight rounded
 as the int8 path rounds it (so the int8 kernels add only float rounding), deterministic and batch-invariant; the
 int8 model is refused where it cannot run, and speculation still gives its own tokens. "w8a8" (int8 activations
-too): its linears match torch's rounding of weights and inputs, and it is deterministic and batch-invariant."""
+too): its linears match torch's rounding of weights and inputs, and it is deterministic and batch-invariant.
+"bf16" (weights rounded to bfloat16, fp32 rows): the same, against `generate` over the bf16-rounded weights."""
 
 from __future__ import annotations
 
@@ -39,13 +40,13 @@ async def run(model, work, **config) -> list[list[int]]:
     return [out[i] for i in range(len(work))]
 
 
-@pytest.mark.parametrize("weights", ["int8", "w8a8"])
+@pytest.mark.parametrize("weights", ["int8", "w8a8", "bf16"])
 @pytest.mark.parametrize("name", list(MODELS))
 async def test_quantized_tokens_are_generates_with_the_rounded_weights(name, weights):
     model = MODELS[name]()
     work = random_requests(8, model.config.vocab_size, max_prompt=40, max_new=20, seed=3)
     fp32 = [reference(model, p, n) for p, n in work]
-    with cpu_linear.Int8Reference(model, activations=weights == "w8a8"):
+    with cpu_linear.QuantizedReference(model, weights):
         rounded = [reference(model, p, n) for p, n in work]
     assert rounded != fp32, "the workload should tell int8 from fp32 weights"
     assert await run(model, work, weights=weights) == rounded
@@ -53,7 +54,16 @@ async def test_quantized_tokens_are_generates_with_the_rounded_weights(name, wei
     assert [reference(model, p, n) for p, n in work] == fp32
 
 
-@pytest.mark.parametrize("weights", ["int8", "w8a8"])
+async def test_bf16_weights_of_a_checkpoint_published_in_bf16_give_fp32s_tokens():
+    model = MODELS["llama"]()
+    with torch.no_grad():  # as a bf16 checkpoint loaded in fp32: every weight a bf16 value
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    work = random_requests(6, model.config.vocab_size, max_prompt=40, max_new=16, seed=7)
+    assert await run(model, work, weights="bf16") == [reference(model, p, n) for p, n in work]
+
+
+@pytest.mark.parametrize("weights", ["int8", "w8a8", "bf16"])
 @pytest.mark.parametrize("name", ["llama", "phi3"])
 async def test_quantized_is_batch_invariant_and_deterministic(weights, name):
     model = MODELS[name]()
@@ -118,3 +128,22 @@ def test_w8a8_linear_matches_its_reference(rows):
     assert torch.equal(y, alone)  # each row's outputs whatever the rows computed with it
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu_linear.PanelLinear([torch.randn(16, 48)], None, quantized="w8a8")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, 40, 300])
+@pytest.mark.parametrize("gated", [False, True])
+def test_bf16_linear_is_fp32_over_the_rounded_weights(rows, gated):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 70, generator=g), torch.randn(96, generator=g)  # (96: six panels; 70: no multiple of 16)
+    x = torch.randn(rows, 70, generator=g)
+    half = cpu_linear.rounded(w, "bf16")
+    assert not torch.equal(half, w) and torch.equal(half, w.to(torch.bfloat16).float())
+    if gated:
+        linear = cpu_linear.PanelLinear([w[:48], w[48:]], b, gated=True, quantized="bf16")
+        same = cpu_linear.PanelLinear([half[:48], half[48:]], b, gated=True)
+    else:
+        linear = cpu_linear.PanelLinear([w[:40], w[40:]], b, quantized="bf16")
+        same = cpu_linear.PanelLinear([half], b)
+        torch.testing.assert_close(linear(x), x @ half.T + b, atol=1e-5, rtol=1e-5)
+    assert linear.packed.dtype == torch.bfloat16  # (half the bytes of fp32 panels)
+    assert torch.equal(linear(x), same(x))  # the fp32 kernel's very sums, over the rounded weights
