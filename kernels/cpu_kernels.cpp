@@ -821,9 +821,9 @@ static inline void panel_tile16_rows(int64_t rows, const float* xp, int64_t k, c
 
 // ROWS rows (one to three) x NP neighbouring panels (bf16) on 512-bit vectors, into t (`ldt` floats a row, the
 // outputs of panel q at q * 16): each panel's 16 weights widened once, ROWS * NP accumulator chains. At one row
-// `panel_tile16`'s two chains wait on each other's FMAs and a bf16 pass ran no faster than fp32's (52-55 against
-// 59-61 tok/s, SmolLM2 one stream). The same sums in the same order as `panel_tile16`: a row's outputs do not
-// depend on the rows computed with it.
+// with two chains (`panel_pair`), a bf16 pass ran barely faster than fp32's (59-61 against 52-55 tok/s, SmolLM2
+// one stream); with eight, 90-97 against 63-67. The same sums in the same order as `panel_tile16`: a row's
+// outputs do not depend on the rows computed with it.
 template <int ROWS, int NP, typename W>
 static inline void panel_few(const float* xp, int64_t k, const W* panel, float* t, int64_t ldt) {
   v16 acc[ROWS][NP];
