@@ -26,6 +26,18 @@ def default_attention(param: torch.Tensor) -> str:
     return "torch"
 
 
+def half_fused(cfg: EngineConfig, model) -> bool:
+    """Whether a bf16 model on CPU runs on the one-call decoder (`cpu_layers.FusedDecoder`) over its own bf16
+    weights, packed as they are, with fp32 activations, sums and KV cache: where jitney's C++ kernels build, every
+    layer fuses, and the configuration leaves the default CPU paths and attention on (not `batch_invariant`,
+    which has a bf16 path of its own). Elsewhere a bf16 model runs torch's bf16 linears and attention."""
+    param = next(model.parameters())
+    return (param.device.type == "cpu" and param.dtype == torch.bfloat16 and native.available()
+            and cfg.attention_backend in (None, "cpu") and cfg.pack_cpu_weights is not False
+            and cfg.fuse_cpu_layers is not False and not cfg.batch_invariant and cfg.weights is None
+            and cpu_layers.FusedDecoder.supports(model))
+
+
 def build_cache(cfg: EngineConfig, mc, dtype: torch.dtype, device: torch.device, max_context: float,
                 eviction) -> CacheManager:
     """The paged KV cache for the model config `mc`: `num_blocks` as given, else solved from free memory."""
@@ -113,6 +125,7 @@ def enter_cpu_paths(cfg: EngineConfig, model) -> list:
     """Packed linears and fused decoder layers, where configured and possible (see `EngineConfig`), entered;
     the caller exits them in reverse order. If one fails to enter, those already entered are exited."""
     pack, fuse = cpu_paths(cfg, model)
+    fuse = fuse and (next(model.parameters()).dtype == torch.float32 or half_fused(cfg, model))
     quantized = cfg.weights
     paths: list = []
     try:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import anyio
+import torch
 
 from jitney.core import assembly
 from jitney.core import events as ev
@@ -50,12 +51,14 @@ class Engine:
         self.max_context = getattr(mc, "max_position_embeddings", None) or math.inf
         self.vocab_size = mc.vocab_size
         param = next(model.parameters())
-        backend_name = config.attention_backend or assembly.default_attention(param)
+        half = assembly.half_fused(config, model)  # (a bf16 model computed in fp32 over its own weights)
+        backend_name = config.attention_backend or ("cpu" if half else assembly.default_attention(param))
         backend = registry(self.plugins, "attention backend").create(backend_name, param.device)
         backend = assembly.invariant_backend(config, backend, backend_name, param.device)
         assembly.check_weights(config, model)
         eviction = registry(self.plugins, "eviction policy").create(config.eviction, config)
-        self.cache = assembly.build_cache(config, mc, param.dtype, param.device, self.max_context, eviction)
+        self.cache = assembly.build_cache(config, mc, torch.float32 if half else param.dtype, param.device,
+                                          self.max_context, eviction)
         self.executor = StepExecutor(model, self.cache, backend)
         self.executor.static, self.async_batching = assembly.plan_static_steps(
             config, model, self.cache, backend, self.executor.compute_stream, param.device)

@@ -1957,7 +1957,7 @@ class FusedDecoder {
     torch::Tensor last = ids;
     const int64_t at = cos.dim() - 2;
     for (int64_t j = 0; j < k; ++j) {
-      auto x = embedding.index_select(0, last);
+      auto x = embedding.index_select(0, last).to(torch::kFloat);  // (a bf16 model's rows, widened)
       if (embed_scale_ != 1.0) x.mul_((float)embed_scale_);  // as the model's embedding: times its fp32 scale
       const auto logits = forward(x, cos.select(at, j).contiguous(), sin.select(at, j).contiguous(),
                                   keys, values, tables, group_of_layer, ctx + j, block_size);

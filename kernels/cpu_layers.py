@@ -74,6 +74,9 @@ SOFT_CAPPED = {"Gemma2DecoderLayer"}
 """Layers whose attention soft-caps its scores by `attn_logit_softcapping` (where set)."""
 ONE_PLUS_NORMS = {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"}
 """RMSNorms that multiply the normalised row by 1 + weight (computed once, when the layer is packed)."""
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+"""A layer's weights, all of one of these types: bf16 ones are packed as they are (`cpu_linear.PanelLinear`), and
+the layer computes in fp32 (`FusedLayers`)."""
 ACTIVATIONS = {"SiLUActivation": "silu", "GELUTanh": "gelu_tanh"}
 """The MLP activations (by class) the fused path computes (`cpu_linear.ACTIVATIONS`)."""
 
@@ -117,7 +120,7 @@ def _multiplier(norm: nn.Module | None) -> tuple[torch.Tensor | None, float]:
         return None, 0.0
     if type(norm).__name__ in ONE_PLUS_NORMS:
         return (1.0 + norm.weight.detach().float()).contiguous(), norm.eps
-    return norm.weight.detach().contiguous(), norm.variance_epsilon
+    return norm.weight.detach().float().contiguous(), norm.variance_epsilon  # (an fp32 copy of a bf16 model's)
 
 
 def _activation(layer: nn.Module) -> str | None:
@@ -169,7 +172,8 @@ def supported(layer: nn.Module) -> bool:
     weights = [m.weight for m in linears] + [n.weight for n in norms]
     return (
         all(type(m) is nn.Linear for m in linears)
-        and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in weights)
+        and len({w.dtype for w in weights}) == 1 and weights[0].dtype in WEIGHT_DTYPES
+        and all(w.device.type == "cpu" for w in weights)
         and _activation(layer) is not None
         and rope.get("partial_rotary_factor", 1.0) == 1.0  # (the rotary kernel turns whole heads)
         and getattr(attn, "is_causal", True)
@@ -193,6 +197,8 @@ class FusedLayers:
     def __enter__(self) -> "FusedLayers":
         kernels = native.load()
         whole = FusedDecoder.supports(self.model)  # asked before the layers are patched
+        if next(self.model.parameters()).dtype != torch.float32 and not whole:
+            return self  # (a bf16 model's fused layers return fp32: only where every layer is one of them)
         packs = {}
         for layer in self.model.modules():
             if supported(layer):
@@ -244,7 +250,7 @@ class FusedDecoder:
             and len(inner.layers) == model.config.get_text_config().num_hidden_layers
             and all(supported(layer) for layer in inner.layers)
             and type(head) is nn.Linear and "forward" not in vars(head)
-            and head.weight.dtype == torch.float32 and head.weight.device.type == "cpu"
+            and head.weight.dtype == inner.layers[0].self_attn.o_proj.weight.dtype and head.weight.device.type == "cpu"
             and _rms_norm(inner.norm)
             and "forward" not in vars(inner.embed_tokens) and "forward" not in vars(inner.rotary_emb)
         )
@@ -303,7 +309,8 @@ class FusedDecoder:
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The model's input embeddings of `input_ids` (Granite's times its multiplier, as its forward does)."""
         x = self.model.model.embed_tokens(input_ids)
-        return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
+        x = x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
+        return x.float()  # (a bf16 model's embeddings as its forward gives them, then computed in fp32)
 
     def _angles(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary embedding's cos and sin for `positions` ([1, T]): [sets, T, D] each, one set per kind of layer
@@ -365,7 +372,7 @@ class FusedDecoder:
         inner = self.model.model
         rows, width = input_ids.shape[1], k + 1
         span = (positions[:, None] + torch.arange(width)).reshape(1, -1)  # [1, rows * width]
-        cos, sin = self._angles(inner.embed_tokens.weight[:1], span)
+        cos, sin = self._angles(inner.embed_tokens.weight[:1].float(), span)  # (fp32 angles: fp32 rows)
         sets = cos.shape[0]
         cos, sin = cos.view(sets, rows, width, -1), sin.view(sets, rows, width, -1)
         ctx, tables = step.context_tensor, step.block_tables
@@ -392,7 +399,7 @@ def _stacked_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
     """The biases of linears computed as one, stacked (zeros for those without); None if none has one."""
     if all(m.bias is None for m in linears):
         return None
-    return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+    return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]).float()
 
 
 def _stacked(linears: list[nn.Linear], quantized: str | None = None) -> cpu_linear.PanelLinear:
@@ -435,7 +442,7 @@ def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):
     def forward(hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                 position_embeddings=None, **kwargs):
         shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1]).contiguous()
+        x = hidden_states.reshape(-1, shape[-1]).float().contiguous()  # (a bf16 model's layers compute in fp32)
         t = x.shape[0]
         h = x if norms["input"][0] is None else kernels.rms_norm(x, None, *norms["input"])[0]
         y = qkv(h)  # [T, (heads + 2 kv_heads) * dim]

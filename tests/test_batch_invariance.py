@@ -101,7 +101,8 @@ def config(backend: str | None, invariant: bool, **kw) -> EngineConfig:
     ("triton", torch.float32, False),  # (batch_invariant changes nothing there)
     ("cpu", torch.float32, True),
     ("torch", torch.float32, True),
-    ("torch", torch.bfloat16, True),  # (the default backend for bf16)
+    ("torch", torch.bfloat16, True),  # (torch's bf16 path: a model the one-call decoder does not take)
+    (None, torch.bfloat16, False),  # the default for bf16 on CPU: the one-call decoder in fp32 over the bf16 weights
 ])
 async def test_logits_alone_and_in_a_crowd_are_bit_identical(backend, dtype, invariant):
     model = tiny_llama().to(dtype)

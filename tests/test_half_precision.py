@@ -90,8 +90,32 @@ async def test_half_precision_greedy_matches_generate_but_at_near_ties(name, dty
             differing.append((len(prompt), k, round(steps, 2)))
             assert tie, f"prompt of {len(prompt)}, token {k}: jitney {out[k]}, generate {ref[k]}, {steps:.2f} steps apart"
     print(name, dtype, f"identical {len(work) - len(differing)}/{len(work)}; (prompt, position, steps):", differing)
-    # measured on this project's CPU machine: 7, 7 and 5 of 8 in bf16 (llama, mistral, scaled), 8 of 8 in fp16
-    assert len(differing) <= 3
+    # measured on this project's CPU machine: 6, 6 and 4 of 8 in bf16 (llama, mistral, scaled; on the one-call
+    # decoder, in fp32 over the bf16 weights: 7, 7 and 5 on torch's bf16 path), 8 of 8 in fp16
+    assert len(differing) <= 4
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_mistral], ids=["llama", "mistral"])
+async def test_a_bf16_model_runs_the_one_call_decoder_in_fp32_over_its_own_weights(make):
+    model = make().to(torch.bfloat16)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    work = workload(model.config.vocab_size)
+    async with Engine(model, config=EngineConfig(num_blocks=200, block_size=4, max_batch_tokens=16)) as engine:
+        assert engine.executor.decoder is not None and engine.cache.keys[0].dtype == torch.float32
+    # the same bf16 weights computed in fp32: `generate` of the model upcast
+    upcast = copy.deepcopy(model).float()
+    assert await engine_tokens(model, work) == [reference(upcast, prompt, n) for prompt, n in work]
+    assert all(torch.equal(p, before[n]) and p.dtype == torch.bfloat16 for n, p in model.state_dict().items())
+
+
+@pytest.mark.parametrize("config", [dict(attention_backend="torch"), dict(fuse_cpu_layers=False), dict(batch_invariant=True)],
+                         ids=["torch attention", "not fused", "batch-invariant"])
+async def test_a_bf16_model_stays_in_bf16_where_the_decoder_does_not_serve(config):
+    model = tiny_llama().to(torch.bfloat16)
+    async with Engine(model, config=EngineConfig(num_blocks=64, block_size=4, **config)) as engine:
+        assert engine.executor.decoder is None and engine.cache.keys[0].dtype == torch.bfloat16
+        assert "forward" not in vars(model.model.layers[0])
+        assert (await engine.generate(Request([5, 6, 7], SamplingParams(max_new_tokens=4)))).token_ids
 
 
 def test_bench_runs_the_model_in_bf16_and_writes_each_modes_tokens(tmp_path):
