@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, help="replay a JSONL trace instead, arrivals honoured (jitney modes only)")
     parser.add_argument("--model", default="smollm2",
                         help=f'a checkpoint directory, "smollm2", or a shape with random weights: {", ".join(MODEL_SHAPES)}')
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="convert the model to this dtype after loading (every mode runs the converted model)")
     parser.add_argument("--tokens", dest="tokens_path", default=None,
                         help="also write each mode's generated tokens to this JSON file (to compare runs, e.g. dtypes)")

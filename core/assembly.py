@@ -27,12 +27,12 @@ def default_attention(param: torch.Tensor) -> str:
 
 
 def half_fused(cfg: EngineConfig, model) -> bool:
-    """Whether a bf16 model on CPU runs on the one-call decoder (`cpu_layers.FusedDecoder`) over its own bf16
+    """Whether a bf16 or fp16 model on CPU runs on the one-call decoder (`cpu_layers.FusedDecoder`) over its own
     weights, packed as they are, with fp32 activations, sums and KV cache: where jitney's C++ kernels build, every
     layer fuses, and the configuration leaves the default CPU paths and attention on (not `batch_invariant`,
-    which has a bf16 path of its own). Elsewhere a bf16 model runs torch's bf16 linears and attention."""
+    which has a path of its own). Elsewhere such a model runs torch's linears and attention in its dtype."""
     param = next(model.parameters())
-    return (param.device.type == "cpu" and param.dtype == torch.bfloat16 and native.available()
+    return (param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16) and native.available()
             and cfg.attention_backend in (None, "cpu") and cfg.pack_cpu_weights is not False
             and cfg.fuse_cpu_layers is not False and not cfg.batch_invariant and cfg.weights is None
             and cpu_layers.FusedDecoder.supports(model))

@@ -69,8 +69,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     fuse_cpu_layers: bool | None = None
     """On CPU, run Llama-like fp32 decoder layers (Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma 1-3, OLMo2, Granite,
     SmolLM3) as a dozen calls each: C++ RMSNorm, rotary and the MLP's activation, one linear each over the q/k/v and
-    the gate/up weights stacked (`kernels/cpu_layers.py`), and every step in one C++ call. A bf16 model whose every
-    layer is one of these computes there in fp32 over its own bf16 weights (and an fp32 KV cache) where the
+    the gate/up weights stacked (`kernels/cpu_layers.py`), and every step in one C++ call. A bf16 or fp16 model whose
+    every layer is one of these computes there in fp32 over its own weights (and an fp32 KV cache) where the
     default attention backend serves (`core/assembly.half_fused`). `None`: on where the weights are packed and the
     C++ kernels build."""
 
@@ -78,7 +78,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Every request's logits bit-identical whatever else is batched with it and however its prompt is chunked
     (what `SamplingParams.seed` promises), for every attention backend and dtype on CPU. Without it that holds
     only on the paths that are invariant anyway: fp32 through jitney's C++ kernels (the default `cpu` backend, and
-    bf16 models on the one-call decoder) and Triton; the `torch` backend and other bf16 / fp16 models differ by float rounding (~1e-7 fp32, ~4e-3 bf16), enough
+    bf16 / fp16 models on the one-call decoder) and Triton; the `torch` backend and other bf16 / fp16 models differ by float rounding (~1e-7 fp32, ~4e-3 bf16), enough
     to change a token now and then. On, the `torch` backend attends one query row at a time
     (`TorchPagedAttention(rowwise=True)`) and bf16 / fp16 linear layers compute through jitney's fp32 kernel over
     an fp32 copy of their weights (twice the bf16 weights' memory). Costs: docs/reliability.md. Needs a CPU model,

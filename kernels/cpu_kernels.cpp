@@ -141,6 +141,17 @@ static inline v8 load8(const uint16_t* p) {
   return v;
 }
 
+// fp16 weights (`pack_panels` over float16 blocks), widened exactly (F16C where the CPU has it).
+static inline v8 load8(const at::Half* p) {
+#ifdef __F16C__
+  return (v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  v8 v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
 static inline float hsum(v8 v) {
 #if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector: halves added as vectors
   const v4 x = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
@@ -536,6 +547,7 @@ struct Panels {
   const int8_t* q = nullptr;  // set instead of `p` for `pack_panels_int8` weights
   const uint8_t* a8 = nullptr;  // set instead of `p` for `pack_panels_w8a8` weights (int8 activations too)
   const uint16_t* h = nullptr;  // set instead of `p` for bf16 weights (`pack_panels` over bfloat16 blocks)
+  const at::Half* f16 = nullptr;  // likewise for fp16 weights
   bool gated = false;  // `pack_panels_gated` weights: the output is act(gate) * up, n / 2 features
   int64_t act = 0;  // the gate's activation (`Activation`)
 };
@@ -591,13 +603,14 @@ static std::pair<int64_t, int64_t> stacked_shape(const std::vector<torch::Tensor
   int64_t n = 0;
   for (const auto& w : ws) {
     TORCH_CHECK(w.dim() == 2 && w.size(1) == k && w.scalar_type() == dtype && w.device().is_cpu(),
-                "pack_panels: ", dtype == torch::kChar ? "int8 weights" : "fp32 weights (or all bf16)", " [N, K], on the CPU");
+                "pack_panels: ", dtype == torch::kChar ? "int8 weights" : "fp32 weights (or all bf16, or all fp16)",
+                " [N, K], on the CPU");
     n += w.size(0);
   }
   return {n, k};
 }
 
-// fp32 or bf16 weights (as 16-bit words) of a tensor.
+// fp32, bf16 (as 16-bit words) or fp16 weights of a tensor.
 template <typename T>
 static T* data_of(const torch::Tensor& t) {
   if constexpr (std::is_same_v<T, uint16_t>) return reinterpret_cast<T*>(t.data_ptr<at::BFloat16>());
@@ -620,14 +633,22 @@ static torch::Tensor pack_panels_as(const std::vector<torch::Tensor>& ws, int64_
   return out;
 }
 
-// The row blocks `ws` ([N_i, K] each, all fp32 or all bf16) stacked, so that q, k and v (or gate and up)
-// projections compute as one. bf16 blocks give bf16 panels, half the bytes, which `panel_linear` widens to fp32
-// as it loads them (fp32 rows, fp32 sums).
+// The dtype of weight blocks `pack_panels` takes as they are: fp32, or all bf16 or all fp16.
+static torch::ScalarType panel_dtype(const torch::Tensor& w) {
+  const auto t = w.scalar_type();
+  return t == torch::kBFloat16 || t == torch::kHalf ? t : torch::kFloat;
+}
+
+// The row blocks `ws` ([N_i, K] each, all fp32, all bf16 or all fp16) stacked, so that q, k and v (or gate and
+// up) projections compute as one. bf16 / fp16 blocks give panels of their type, half the bytes, which
+// `panel_linear` widens to fp32 (exactly) as it loads them (fp32 rows, fp32 sums).
 torch::Tensor pack_panels(std::vector<torch::Tensor> ws) {
   TORCH_CHECK(!ws.empty(), "pack_panels: at least one weight");
-  const bool half = ws[0].scalar_type() == torch::kBFloat16;
-  const auto [n, k] = stacked_shape(ws, half ? torch::kBFloat16 : torch::kFloat);
-  return half ? pack_panels_as<uint16_t>(ws, n, k) : pack_panels_as<float>(ws, n, k);
+  const auto dtype = panel_dtype(ws[0]);
+  const auto [n, k] = stacked_shape(ws, dtype);
+  if (dtype == torch::kBFloat16) return pack_panels_as<uint16_t>(ws, n, k);
+  if (dtype == torch::kHalf) return pack_panels_as<at::Half>(ws, n, k);
+  return pack_panels_as<float>(ws, n, k);
 }
 
 // A gated MLP's gate and up projections ([I, K] each, I a multiple of 16) packed for `panel_linear(..., gated)`,
@@ -648,12 +669,14 @@ static torch::Tensor pack_panels_gated_as(const torch::Tensor& gate, const torch
   return out;
 }
 
-// (fp32 or bf16, as `pack_panels`)
+// (fp32, bf16 or fp16, as `pack_panels`)
 torch::Tensor pack_panels_gated(torch::Tensor gate, torch::Tensor up) {
-  const bool half = gate.scalar_type() == torch::kBFloat16;
-  const auto [n, k] = stacked_shape({gate, up}, half ? torch::kBFloat16 : torch::kFloat);
+  const auto dtype = panel_dtype(gate);
+  const auto [n, k] = stacked_shape({gate, up}, dtype);
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.size(0) % PANEL == 0, "pack_panels_gated: gate and up [I, K], I a multiple of 16");
-  return half ? pack_panels_gated_as<uint16_t>(gate, up, n, k) : pack_panels_gated_as<float>(gate, up, n, k);
+  if (dtype == torch::kBFloat16) return pack_panels_gated_as<uint16_t>(gate, up, n, k);
+  if (dtype == torch::kHalf) return pack_panels_gated_as<at::Half>(gate, up, n, k);
+  return pack_panels_gated_as<float>(gate, up, n, k);
 }
 
 // Output features and input width of the int8 row blocks `qs` stacked, checked against their `scales`.
@@ -787,6 +810,10 @@ static inline v16 load16(const uint16_t* p) {  // bf16, widened (see `load8`)
   return v;
 }
 
+static inline v16 load16(const at::Half* p) {  // fp16, widened
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 template <int ROWS, typename W = float>
 static inline void panel_tile16(const float* xp, int64_t k, const W* panel, const W* second, float* yp, int64_t ldy,
                                 int64_t cols2, const float* bias, const W* next) {
@@ -819,7 +846,7 @@ static inline void panel_tile16_rows(int64_t rows, const float* xp, int64_t k, c
   panel_tile16<R>(xp, k, panel, second, yp, ldy, cols2, bias, next);
 }
 
-// ROWS rows (one to three) x NP neighbouring panels (bf16) on 512-bit vectors, into t (`ldt` floats a row, the
+// ROWS rows (one to three) x NP neighbouring panels (bf16 or fp16) on 512-bit vectors, into t (`ldt` floats a row, the
 // outputs of panel q at q * 16): each panel's 16 weights widened once, ROWS * NP accumulator chains. At one row
 // with two chains (`panel_pair`), a bf16 pass ran barely faster than fp32's (59-61 against 52-55 tok/s, SmolLM2
 // one stream); with eight, 90-97 against 63-67. The same sums in the same order as `panel_tile16`: a row's
@@ -1284,11 +1311,12 @@ static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, b
     return;
   }
   if (w.h) panel_rows_of(xp, m, w, w.h, yp, small, add);
+  else if (w.f16) panel_rows_of(xp, m, w, w.f16, yp, small, add);
   else panel_rows_of(xp, m, w, w.p, yp, small, add);
 }
 
 #ifdef __AVX512F__
-// `panel_rows` for one to three rows of bf16 panels: groups of eight panels a task through `panel_few`, each
+// `panel_rows` for one to three rows of bf16 or fp16 panels: groups of eight panels a task through `panel_few`, each
 // group's outputs stored from the tile (the bias added, gated or the residual added as `panel_rows` does).
 template <typename W>
 static void panel_rows_few(const float* xp, int64_t m, const Panels& w, const W* pp, float* yp, bool small, const float* add) {
@@ -1320,7 +1348,7 @@ static void panel_rows_few(const float* xp, int64_t m, const Panels& w, const W*
 }
 #endif
 
-// `panel_rows` over fp32 or bf16 panels (W: float or uint16_t).
+// `panel_rows` over fp32, bf16 or fp16 panels (W: float, uint16_t or at::Half).
 template <typename W>
 static void panel_rows_of(const float* xp, int64_t m, const Panels& w, const W* pp, float* yp, bool small, const float* add) {
   constexpr int64_t TILE = 6;
@@ -1453,12 +1481,13 @@ static Panels panels_of(const torch::Tensor& packed, int64_t n, const torch::Ten
                 packed.size(1) > PANEL * 4, "panel_linear: int8 weights from pack_panels_int8");
     w = Panels{nullptr, nullptr, n, (packed.size(1) - PANEL * 4) / PANEL, packed.data_ptr<int8_t>()};
   } else {
-    const bool half = packed.scalar_type() == torch::kBFloat16;
+    const auto dtype = packed.scalar_type();
     TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(2) == PANEL && packed.size(0) * PANEL >= n &&
-                (half || packed.scalar_type() == torch::kFloat) && reinterpret_cast<uintptr_t>(packed.data_ptr()) % 32 == 0,
+                panel_dtype(packed) == dtype && reinterpret_cast<uintptr_t>(packed.data_ptr()) % 32 == 0,
                 "panel_linear: weights from pack_panels");
     w = Panels{nullptr, nullptr, n, packed.size(1)};
-    if (half) w.h = data_of<uint16_t>(packed);
+    if (dtype == torch::kBFloat16) w.h = data_of<uint16_t>(packed);
+    else if (dtype == torch::kHalf) w.f16 = data_of<at::Half>(packed);
     else w.p = packed.data_ptr<float>();
   }
   if (bias.defined() && bias.numel() > 0) {

@@ -12,8 +12,8 @@ Supported: transformers' Llama, Mistral, Qwen2, Qwen3 (per-head query and key no
 gate/up already one linear each; rotary over whole heads), Gemma, Gemma2, Gemma3 (norms of 1 + weight, GeLU's
 tanh approximation, norms of the attention's and the MLP's outputs, Gemma2's soft-capped attention, Gemma3's
 rotary angles per kind of layer), OLMo2 (output norms only, query and key norms across all heads), Granite
-(its multipliers) and SmolLM3 (layers without rotary embedding) decoder layers, fp32 on CPU; other layers run
-unchanged.
+(its multipliers) and SmolLM3 (layers without rotary embedding) decoder layers on CPU, fp32, or bf16 / fp16
+weights computed in fp32 (only where the whole model fuses: `FusedDecoder`); other layers run unchanged.
 
 Where every decoder layer of a causal LM in `DECODER_MODELS` is fused, steps skip even those calls:
 `FusedDecoder` runs all the layers, the final norm and the LM head in one C++ call (the same kernels in the
@@ -74,9 +74,9 @@ SOFT_CAPPED = {"Gemma2DecoderLayer"}
 """Layers whose attention soft-caps its scores by `attn_logit_softcapping` (where set)."""
 ONE_PLUS_NORMS = {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"}
 """RMSNorms that multiply the normalised row by 1 + weight (computed once, when the layer is packed)."""
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
-"""A layer's weights, all of one of these types: bf16 ones are packed as they are (`cpu_linear.PanelLinear`), and
-the layer computes in fp32 (`FusedLayers`)."""
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""A layer's weights, all of one of these types: bf16 and fp16 ones are packed as they are
+(`cpu_linear.PanelLinear`), and the layer computes in fp32 (`FusedLayers`)."""
 ACTIVATIONS = {"SiLUActivation": "silu", "GELUTanh": "gelu_tanh"}
 """The MLP activations (by class) the fused path computes (`cpu_linear.ACTIVATIONS`)."""
 
@@ -198,7 +198,7 @@ class FusedLayers:
         kernels = native.load()
         whole = FusedDecoder.supports(self.model)  # asked before the layers are patched
         if next(self.model.parameters()).dtype != torch.float32 and not whole:
-            return self  # (a bf16 model's fused layers return fp32: only where every layer is one of them)
+            return self  # (a half-precision model's fused layers return fp32: only where every layer is one of them)
         packs = {}
         for layer in self.model.modules():
             if supported(layer):
@@ -310,7 +310,7 @@ class FusedDecoder:
         """The model's input embeddings of `input_ids` (Granite's times its multiplier, as its forward does)."""
         x = self.model.model.embed_tokens(input_ids)
         x = x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
-        return x.float()  # (a bf16 model's embeddings as its forward gives them, then computed in fp32)
+        return x.float()  # (a half-precision model's embeddings as its forward gives them, then computed in fp32)
 
     def _angles(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary embedding's cos and sin for `positions` ([1, T]): [sets, T, D] each, one set per kind of layer
@@ -409,7 +409,7 @@ def _stacked(linears: list[nn.Linear], quantized: str | None = None) -> cpu_line
 
 class _LayerLinears:
     """A decoder layer's four packed linears: q/k/v stacked, o, gate/up (gated: the activation times up in the
-    same pass, where the MLP's width is a multiple of 16 and the weights fp32; else stacked) and down."""
+    same pass, where the MLP's width is a multiple of 16 and the weights not int8; else stacked) and down."""
 
     def __init__(self, layer: nn.Module, quantized: str | None = None):
         qkv, o, gate_up, down = _groups(layer)

@@ -103,6 +103,7 @@ def config(backend: str | None, invariant: bool, **kw) -> EngineConfig:
     ("torch", torch.float32, True),
     ("torch", torch.bfloat16, True),  # (torch's bf16 path: a model the one-call decoder does not take)
     (None, torch.bfloat16, False),  # the default for bf16 on CPU: the one-call decoder in fp32 over the bf16 weights
+    (None, torch.float16, False),  # (and for fp16)
 ])
 async def test_logits_alone_and_in_a_crowd_are_bit_identical(backend, dtype, invariant):
     model = tiny_llama().to(dtype)

@@ -132,7 +132,7 @@ def test_w8a8_linear_matches_its_reference(rows):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, 40, 300])
 @pytest.mark.parametrize("gated", [False, True])
-def test_bf16_linear_is_fp32_over_the_rounded_weights(rows, gated):
+def test_bf16_linear_is_fp32_over_the_rounded_weights(rows, gated):  # (and fp16 weights, packed as they are)
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(96, 70, generator=g), torch.randn(96, generator=g)  # (96: six panels; 70: no multiple of 16)
     x = torch.randn(rows, 70, generator=g)
@@ -147,3 +147,9 @@ def test_bf16_linear_is_fp32_over_the_rounded_weights(rows, gated):
         torch.testing.assert_close(linear(x), x @ half.T + b, atol=1e-5, rtol=1e-5)
     assert linear.packed.dtype == torch.bfloat16  # (half the bytes of fp32 panels)
     assert torch.equal(linear(x), same(x))  # the fp32 kernel's very sums, over the rounded weights
+    fp16 = w.half()
+    blocks = [fp16[:48], fp16[48:]]
+    linear = cpu_linear.PanelLinear(blocks, b, gated=gated) if gated else cpu_linear.PanelLinear(blocks, b)
+    widened = [t.float() for t in blocks]
+    same = cpu_linear.PanelLinear(widened, b, gated=gated) if gated else cpu_linear.PanelLinear(widened, b)
+    assert linear.packed.dtype == torch.float16 and torch.equal(linear(x), same(x))

@@ -99,7 +99,7 @@ def test_panel_linear_refuses_other_dtypes_and_shapes():
     kernels = native.load()
     with pytest.raises(RuntimeError, match="fp32 weights"):
         kernels.pack_panels([torch.randn(4, 8, dtype=torch.float64)])
-    with pytest.raises(RuntimeError, match=r"fp32 weights \(or all bf16\)"):
+    with pytest.raises(RuntimeError, match=r"fp32 weights \(or all bf16, or all fp16\)"):
         kernels.pack_panels([torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 8)])
     packed = kernels.pack_panels([torch.randn(4, 8)])
     with pytest.raises(RuntimeError, match="contiguous fp32"):
