@@ -122,24 +122,31 @@ static void parallel(int64_t n, int64_t grain, bool small, const F& fn) {
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
-static inline v8 load8(const float* p) {
-  v8 v;
+// A vector V of fp32 values from fp32 memory.
+template <typename V>
+static inline V load_floats(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-// bf16 weights (`pack_panels` over bfloat16 blocks) are the upper halves of fp32 ones: widened exactly by a shift.
-typedef uint16_t h8 __attribute__((vector_size(16)));
-typedef uint32_t u8 __attribute__((vector_size(32)));
-
-static inline v8 load8(const uint16_t* p) {
-  h8 h;
+// A vector V of fp32 values from bf16 weights (`pack_panels` over bfloat16 blocks): the upper halves of fp32
+// ones, widened exactly by a shift (H, U: V's lanes as 16- and 32-bit words).
+template <typename V, typename H, typename U>
+static inline V load_bf16(const uint16_t* p) {
+  H h;
   std::memcpy(&h, p, sizeof h);
-  const u8 w = __builtin_convertvector(h, u8) << 16;
-  v8 v;
+  const U w = __builtin_convertvector(h, U) << 16;
+  V v;
   std::memcpy(&v, &w, sizeof v);
   return v;
 }
+
+typedef uint16_t h8 __attribute__((vector_size(16)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float* p) { return load_floats<v8>(p); }
+static inline v8 load8(const uint16_t* p) { return load_bf16<v8, h8, u8>(p); }
 
 // fp16 weights (`pack_panels` over float16 blocks), widened exactly (F16C where the CPU has it).
 static inline v8 load8(const at::Half* p) {
@@ -785,6 +792,15 @@ static inline void panel_tile_rows(int64_t rows, const float* xp, int64_t k, con
 
 #ifdef __AVX512F__
 typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+
+static inline v16 load16(const float* p) { return load_floats<v16>(p); }
+static inline v16 load16(const uint16_t* p) { return load_bf16<v16, h16, u16v>(p); }
+
+static inline v16 load16(const at::Half* p) {  // fp16, widened
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 // Where the CPU has 512-bit vectors: ROWS rows x the 32 outputs of two neighbouring panels, one 16-wide
 // vector per panel and row (2 * ROWS accumulators), each of the two panels' weights loaded once per tile.
@@ -792,28 +808,6 @@ typedef float v16 __attribute__((vector_size(64)));
 // machine, SmolLM2's linears at 16-256 rows: `panel_tile` on 8-wide vectors 113-119 GFLOP/s (one shape, one run), this
 // at 6 / 8 / 12 rows a tile 159-223 / 181-230 / 219-295 (best of four alternating processes; torch's probe: 226-262).
 // `next` (the panels of the unit a thread takes next) is prefetched into L2 only (`prefetch_l2`).
-typedef uint16_t h16 __attribute__((vector_size(32)));
-typedef uint32_t u16v __attribute__((vector_size(64)));
-
-static inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-static inline v16 load16(const uint16_t* p) {  // bf16, widened (see `load8`)
-  h16 h;
-  std::memcpy(&h, p, sizeof h);
-  const u16v w = __builtin_convertvector(h, u16v) << 16;
-  v16 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-
-static inline v16 load16(const at::Half* p) {  // fp16, widened
-  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 template <int ROWS, typename W = float>
 static inline void panel_tile16(const float* xp, int64_t k, const W* panel, const W* second, float* yp, int64_t ldy,
                                 int64_t cols2, const float* bias, const W* next) {
