@@ -728,7 +728,8 @@ static inline void store_panel(const v8* acc, float* y, int64_t cols, const floa
 }
 
 // rows x 16 outputs of one panel: every weight loaded once per row tile, 2 * ROWS accumulators in registers.
-// W: the weights' type, float or bf16 (uint16_t, widened as loaded; the same sums as over their fp32 values).
+// W: the weights' type, float, bf16 (uint16_t) or fp16 (at::Half), widened as loaded: the same sums as over
+// their fp32 values.
 template <int ROWS, typename W = float>
 static inline void panel_tile(const float* xp, int64_t k, const W* panel, float* yp, int64_t ldy, int64_t cols,
                               const float* bias, const W* next) {
@@ -815,7 +816,7 @@ static inline void panel_tile16(const float* xp, int64_t k, const W* panel, cons
   for (int r = 0; r < ROWS; ++r) a[r] = b[r] = v16{};
   for (int64_t c = 0; c < k; ++c) {
     const v16 w = load16(panel + c * PANEL), u = load16(second + c * PANEL);
-    if (next && (sizeof(W) == 4 || c % 2 == 0)) {  // (a line a row of fp32 panels, two of bf16 ones)
+    if (next && (sizeof(W) == 4 || c % 2 == 0)) {  // (a line a row of fp32 panels, two of 16-bit ones)
       prefetch_l2(next + c * PANEL);
       prefetch_l2(next + (k + c) * PANEL);
     }
