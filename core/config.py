@@ -78,7 +78,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Every request's logits bit-identical whatever else is batched with it and however its prompt is chunked
     (what `SamplingParams.seed` promises), for every attention backend and dtype on CPU. Without it that holds
     only on the paths that are invariant anyway: fp32 through jitney's C++ kernels (the default `cpu` backend, and
-    bf16 / fp16 models on the one-call decoder) and Triton; the `torch` backend and other bf16 / fp16 models differ by float rounding (~1e-7 fp32, ~4e-3 bf16), enough
+    bf16 / fp16 models on the one-call decoder) and Triton; the `torch` backend and other bf16 / fp16 models differ
+    by float rounding (~1e-7 fp32, ~4e-3 bf16), enough
     to change a token now and then. On, the `torch` backend attends one query row at a time
     (`TorchPagedAttention(rowwise=True)`) and bf16 / fp16 linear layers compute through jitney's fp32 kernel over
     an fp32 copy of their weights (twice the bf16 weights' memory). Costs: docs/reliability.md. Needs a CPU model,

@@ -51,7 +51,7 @@ class Engine:
         self.max_context = getattr(mc, "max_position_embeddings", None) or math.inf
         self.vocab_size = mc.vocab_size
         param = next(model.parameters())
-        half = assembly.half_fused(config, model)  # (a bf16 model computed in fp32 over its own weights)
+        half = assembly.half_fused(config, model)  # (a bf16 / fp16 model computed in fp32 over its weights)
         backend_name = config.attention_backend or ("cpu" if half else assembly.default_attention(param))
         backend = registry(self.plugins, "attention backend").create(backend_name, param.device)
         backend = assembly.invariant_backend(config, backend, backend_name, param.device)
