@@ -437,7 +437,8 @@ def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):
     dim = attn.head_dim
     heads, kv_heads = _heads(layer)
     window = WINDOW_OF[type(layer).__name__](layer)
-    softcap = {"softcap": _softcap(layer)} if _softcap(layer) is not None else {}
+    cap = _softcap(layer)
+    softcap = {} if cap is None else {"softcap": cap}
 
     def forward(hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                 position_embeddings=None, **kwargs):

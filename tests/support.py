@@ -74,12 +74,13 @@ def _tiny(name: str, seed: int, config_name: str | None = None, **kw):
     return getattr(transformers, f"{name}ForCausalLM")(config).eval()
 
 
-def _vary_norms(model, std: float = 0.5):
-    """Gemma's norms multiply by 1 + weight, which starts at zero: give the weights noise so that they count."""
+def _vary_norms(model, mean: float = 0.0, std: float = 0.5):
+    """RMSNorm weights drawn around `mean` so that they count (Gemma's norms multiply by 1 + weight, which starts
+    at zero; others' weights start at one)."""
     with torch.no_grad():
         for m in model.modules():
             if type(m).__name__.endswith("RMSNorm"):
-                m.weight.normal_(0, std)
+                m.weight.normal_(mean, std)
     return model
 
 
@@ -116,12 +117,7 @@ def tiny_gemma3(seed: int = 0, window: int = 8, **kw):
 def tiny_olmo2(seed: int = 0):
     """Norms of the attention's and the MLP's outputs only, queries and keys normalised across all heads at once
     (OLMo2's), the norm weights varied so that they count."""
-    model = _tiny("Olmo2", seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if type(m).__name__.endswith("RMSNorm"):
-                m.weight.normal_(1, 0.5)
-    return model
+    return _vary_norms(_tiny("Olmo2", seed), mean=1.0)
 
 
 def tiny_granite(seed: int = 0):
