@@ -86,7 +86,7 @@ def measure(model, tokenizer, requests: int = 256, prompt_len: int = 64, new_tok
     longest = prompt_len + block_size - 1
     blocks = requests * -(-(longest + new_tokens) // block_size)
     config = EngineConfig(**{"num_blocks": blocks, "block_size": block_size, "max_batch_tokens": requests * longest,
-                             "max_requests_per_batch": requests, **config_fields})
+                             "chunk_context_cost": 0.0, "max_requests_per_batch": requests, **config_fields})
     times = StepTimes()
     engine = Engine(model, tokenizer, config, plugins=[times])
     engine.executor.forward = NullForward(engine.executor)

@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-batching", action="store_true",
                         help="jitney launches each decode step before handing out the previous one's tokens")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
+    parser.add_argument("--chunk-context-cost", type=float, default=None,
+                        help="jitney's EngineConfig.chunk_context_cost (default: the model's; 0: a chunk counts its tokens only)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--static-batch", type=int, default=16)
     parser.add_argument("--null-executor", action="store_true",
@@ -140,7 +142,8 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
                   max_requests_per_batch=max(64, len(work)), eviction=eviction, allow_block_sharing=sharing,
                   cpu_offload_space=args.cpu_offload_space, safety_margin=args.safety_margin,
                   scheduler=getattr(args, "scheduler", "fifo"),
-                  attention_backend=attention or args.attention)
+                  attention_backend=attention or args.attention,
+                  chunk_context_cost=getattr(args, "chunk_context_cost", None))
     if getattr(args, "async_batching", False):
         fields["use_async_batching"] = True
     if getattr(args, "speculative_tokens", None) is not None:

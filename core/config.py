@@ -29,7 +29,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     `None`: on when `num_blocks` is given; a cache sized from free memory is committed as its blocks are
     first written (committing most of the RAM up front could take tens of seconds)."""
     max_batch_tokens: PositiveInt = 256
-    """Query tokens in one forward pass (prompts longer than what is left are chunked)."""
+    """Query tokens in one forward pass (prompts longer than what is left are chunked; a chunk's tokens count
+    with their attention's work, `chunk_context_cost`)."""
+    chunk_context_cost: Annotated[float, Meta(ge=0.0)] | None = None
+    """What a prompt chunk's attention adds to its count against `max_batch_tokens`: each of its query tokens
+    counts 1 + c x this, c the positions it attends to, so that a step carrying a chunk late in a long prompt
+    costs about what one early in it does, and the decodes beside it wait no longer (decode rows count 1).
+    `None`: the model's own ratio, computed when the engine is built (`assembly.chunk_context_cost`: attention's
+    multiply-adds per position over a token's in the linear layers; SmolLM2 1 / 3,072, so a token at 4,096
+    positions counts 2.3); 0: tokens only."""
     max_batch_cache_blocks: PositiveInt | None = None
     """The cache budget: KV blocks read in one forward pass (`None`: the whole cache). It bounds the
     attention's gather buffers."""

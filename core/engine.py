@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import anyio
+import msgspec
 import torch
 
 from jitney.core import assembly
@@ -44,7 +45,10 @@ class Engine:
         # every time the engine records (events, time to first token): a simulation gives it a virtual clock
         self.clock = clock
         self.tokenizer = tokenizer
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
+        if config.chunk_context_cost is None:  # (resolved here, so that every scheduler sees the model's)
+            config = msgspec.structs.replace(config, chunk_context_cost=assembly.chunk_context_cost(config, model))
+        self.config = config
         self.plugins = make_plugin_manager(plugins)
         self.scheduler = registry(self.plugins, "scheduler").create(config.scheduler, config)
         mc = model.config.get_text_config()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -63,7 +64,8 @@ class Scheduler(Protocol):
       prefill in progress;
     - ``cache``: a `CacheView` to ask whether a request's next tokens fit and to reserve them.
 
-    It returns a `Batch`. Three budgets bound a batch: ``config.max_batch_tokens`` query tokens,
+    It returns a `Batch`. Three budgets bound a batch: ``config.max_batch_tokens`` query tokens (a prompt
+    chunk's counted with its attention's work, ``config.chunk_context_cost``),
     ``config.max_requests_per_batch`` requests, and the cache budget, ``config.max_batch_cache_blocks`` KV
     blocks read in one pass (at most the cache's size). `BatchBuilder` keeps all three, and the safety margin.
 
@@ -90,6 +92,7 @@ class BatchBuilder:
         self.cache = cache
         self.batch = Batch()
         self.tokens_left = config.max_batch_tokens
+        self.context_cost = config.chunk_context_cost or 0.0
         self.requests_left = config.max_requests_per_batch
         limit = config.max_batch_cache_blocks
         self.blocks_left = cache.num_blocks if limit is None else min(limit, cache.num_blocks)
@@ -100,7 +103,8 @@ class BatchBuilder:
         return self.tokens_left == 0 or self.requests_left == 0 or self.blocks_left <= 0
 
     def add(self, seq: Sequence, new: bool = False) -> str:
-        """Add `seq` with as many of its remaining tokens as the token budget allows (a chunk of its prompt).
+        """Add `seq` with as many of its remaining tokens as the token budget allows (a chunk of its prompt,
+        its tokens counted with their attention's work: `EngineConfig.chunk_context_cost`).
 
         `new` marks a request from the waiting list: below `safety_margin x num_blocks` free blocks it does not
         start, unless the batch would otherwise be empty.
@@ -115,6 +119,11 @@ class BatchBuilder:
         n = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed  # (`remaining`, without the call)
         if n > self.tokens_left:
             n = self.tokens_left
+        cost = n
+        if n > 1 and self.context_cost:
+            n, cost = self.chunk(seq.num_computed, n)
+            if n == 0:
+                return "full"
         total = seq.num_computed + n
         reads = -(-total // cache.block_size)
         need = cache.blocks_needed(seq.request_id, total)
@@ -134,10 +143,28 @@ class BatchBuilder:
                 seq.num_computed = 0
             return result
         self.batch.entries.append((seq, n))
-        self.tokens_left -= n
+        self.tokens_left -= cost
         self.requests_left -= 1
         self.blocks_left -= reads
         return "ok"
+
+    def chunk(self, computed: int, most: int) -> tuple[int, int]:
+        """The longest chunk of at most `most` tokens after `computed` ones whose count fits the token budget,
+        and that count (rounded up): n tokens count n + cost x (n x computed + n (n + 1) / 2), each attending
+        to the positions before it and itself. (0, 0) when not one token fits, except in an empty batch, which
+        takes one token whatever it counts (every step makes progress)."""
+        k, left = self.context_cost, self.tokens_left
+
+        def count(n: int) -> float:
+            return n + k * (n * computed + n * (n + 1) / 2)
+
+        b = 1 + k * computed + k / 2  # count(n) = k / 2 n^2 + b n
+        n = min(most, int((math.sqrt(b * b + 2 * k * left) - b) / k))
+        while n > 0 and count(n) > left:  # (float rounding)
+            n -= 1
+        if n == 0:
+            return (1, left) if not self.batch.entries else (0, 0)
+        return n, min(left, math.ceil(count(n)))
 
     def add_active(self, seqs: list[Sequence]) -> None:
         """Add running requests in the given order, until a budget is spent."""

@@ -17,7 +17,8 @@ def test_defaults_follow_the_seed():
 @pytest.mark.parametrize(
     "field, value",
     [("block_size", 2), ("num_blocks", 0), ("max_batch_tokens", 0), ("max_memory_percent", 1.5),
-     ("safety_margin", -0.1), ("max_requests_per_batch", "many"), ("allow_block_sharing", "yes")],
+     ("safety_margin", -0.1), ("max_requests_per_batch", "many"), ("allow_block_sharing", "yes"),
+     ("chunk_context_cost", -0.5)],
 )
 def test_bad_value_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field}"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from support import random_requests, reference, tiny_gemma2, tiny_mistral
+from support import random_requests, reference, tiny_gemma2, tiny_gemma3, tiny_mistral
 
 from jitney import Engine, EngineConfig, Request, RequestError, SamplingParams
 from jitney.core import events as ev
@@ -42,6 +42,43 @@ async def test_concurrent_chunked_requests_match_generate(llama, scheduler):
         assert out.token_ids == ref
         assert out.finish_reason == "length"
         assert out.prompt_token_ids == prompt
+
+
+def test_chunk_context_cost_is_the_models_unless_given(llama):
+    c = llama.config
+    per_layer = sum(p.numel() for n, p in llama.model.layers[0].named_parameters() if p.dim() == 2)
+    # attention's multiply-adds per position (2 x heads x head_dim a layer) over a token's through the linears,
+    # at half their pace
+    expected = 2 * c.num_attention_heads * (c.hidden_size // c.num_attention_heads) / per_layer / 0.5
+    assert Engine(llama, config=EngineConfig(num_blocks=64)).config.chunk_context_cost == pytest.approx(expected)
+    assert Engine(llama, config=EngineConfig(num_blocks=64, chunk_context_cost=0.0)).config.chunk_context_cost == 0.0
+    gemma = tiny_gemma3()  # one full-attention layer of three: the sliding ones' reach is bounded, left out
+    g = gemma.config
+    linear = sum(p.numel() for n, p in gemma.model.layers.named_parameters() if p.dim() == 2)
+    cost = Engine(gemma, config=EngineConfig(num_blocks=64)).config.chunk_context_cost
+    assert cost == pytest.approx(2 * g.num_attention_heads * g.head_dim * 1 / linear / 0.5)
+
+
+async def test_chunks_sized_by_their_attention_keep_tokens(llama):
+    work = random_requests(8, llama.config.vocab_size, max_prompt=70, seed=7)
+    refs = [reference(llama, p, n) for p, n in work]
+    k, computed, chunks = 0.02, {}, []  # a token at 50 positions counts 2
+
+    class Chunks:
+        @hookimpl
+        def jitney_on_events(self, events, engine):
+            for e in (e for e in events if isinstance(e, ev.StepCompleted)):
+                for rid, n in e.batch:
+                    if n > 1:
+                        chunks.append((computed.get(rid, 0), n))
+                    computed[rid] = computed.get(rid, 0) + n
+
+    config = EngineConfig(max_batch_tokens=32, block_size=4, num_blocks=400, chunk_context_cost=k, allow_block_sharing=False)
+    async with Engine(llama, config=config, plugins=[Chunks()]) as engine:
+        done = await run_all(engine, [greedy(p, n) for p, n in work])
+    assert [d.token_ids for d in done] == refs
+    assert all(n + k * (n * c + n * (n + 1) / 2) <= 32 for c, n in chunks)
+    assert max(n for c, n in chunks if c == 0) == 25 and max(n for c, n in chunks if c >= 40) < 20
 
 
 async def test_sliding_window_model_matches_generate():

@@ -51,6 +51,38 @@ def test_token_budget_chunks_the_prompt_that_does_not_fit():
     assert batch.num_tokens == 16
 
 
+def chunk_count(k: float, computed: int, n: int) -> float:
+    """What a chunk of n tokens after `computed` counts against the token budget at chunk_context_cost k."""
+    return n + k * (n * computed + n * (n + 1) / 2)
+
+
+@pytest.mark.parametrize("computed", [0, 100, 1000])
+def test_a_prompt_chunk_counts_its_attention(computed):
+    c = cache(num_blocks=400)
+    dec = seq(400, 0, computed=409, outputs=10)
+    pre = seq(2000, 1, computed=computed)
+    active = activate(c, dec, pre)
+    k = 0.01
+    batch = FifoScheduler(EngineConfig(max_batch_tokens=100, chunk_context_cost=k)).schedule([], active, c)
+    (d, one), (p, n) = batch.entries  # the decode counts 1 whatever its context; the chunk is the longest that fits
+    assert (d, one, p) == (dec, 1, pre)
+    assert chunk_count(k, computed, n) <= 99 < chunk_count(k, computed, n + 1)
+    assert n == {0: 72, 100: 44, 1000: 8}[computed]
+    batch = FifoScheduler(EngineConfig(max_batch_tokens=100, chunk_context_cost=0.0)).schedule([], active, c)
+    assert [n for _, n in batch.entries] == [1, 99]  # 0: tokens only
+
+
+def test_a_chunk_that_counts_more_than_the_budget_still_moves_alone():
+    c = cache(num_blocks=400)
+    pre = seq(2000, 1, computed=1000)
+    config = EngineConfig(max_batch_tokens=100, chunk_context_cost=1.0)  # a token at 1,000 positions counts 1,001
+    batch = FifoScheduler(config).schedule([], activate(c, pre), c)
+    assert [(s, n) for s, n in batch.entries] == [(pre, 1)]  # an empty batch takes a token: every step progresses
+    dec = seq(8, 0, computed=9, outputs=2)
+    batch = FifoScheduler(config).schedule([], activate(c, dec) + [pre], c)
+    assert [s for s, _ in batch.entries] == [dec]  # beside a decode, nothing of it fits
+
+
 def test_request_cap():
     c = cache()
     waiting = [seq(3, i) for i in range(10)]
@@ -108,7 +140,7 @@ def test_no_budget_is_ever_exceeded(make):
     for trial in range(50):
         c = cache(num_blocks=rng.randint(20, 200))
         config = EngineConfig(max_batch_tokens=rng.randint(1, 64), max_requests_per_batch=rng.randint(1, 8),
-                              max_batch_cache_blocks=rng.randint(5, 100))
+                              max_batch_cache_blocks=rng.randint(5, 100), chunk_context_cost=rng.choice([0, 0.01, 0.5]))
         active = []
         for i in range(rng.randint(0, 6)):
             s = seq(rng.randint(1, 40), i, priority=rng.choice([0, 10]))
