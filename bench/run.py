@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import anyio
 import torch
 
+from jitney.bench.profile import StepRecorder
 from jitney.bench.stats import StepStats, percentile_ms
 from jitney.bench.workloads import ARRIVING, MODEL_SHAPES, WORKLOADS, Workload, long_prompt, shaped_model
 
@@ -130,6 +131,34 @@ def workload_gflop(model, work: Workload) -> float:
     return flops / 1e9
 
 
+def attainable_seconds(model, shapes: list[list[float]], gflops: float, gbps: float, weights: str | None) -> float:
+    """The roofline of the steps a run took (`profile.features` of each): a step takes at least its multiply-adds
+    at the matmul peak `gflops`, and at least its reads at the memory read rate `gbps`: every weight once (the
+    packed copy's bytes: `weights` "int8" / "w8a8" a quarter of fp32's, "bf16" half; a speculative step's
+    draft passes an int8 copy each) and the KV blocks its decode rows read (distinct ones once). Summed over
+    steps, the longer of the two each: compute and memory overlapped perfectly, nothing else counted."""
+    from jitney.bench.profile import FEATURES
+
+    mc = model.config.get_text_config()
+    heads, layers = mc.num_attention_heads, mc.num_hidden_layers
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
+    kv_heads = getattr(mc, "num_key_value_heads", None) or heads
+    linear = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
+    head = mc.hidden_size * mc.vocab_size
+    attention = 4 * layers * heads * head_dim  # multiply-adds x 2 per query and position
+    kv_bytes = 2 * layers * kv_heads * head_dim * 4  # (an fp32 cache)
+    read = weight_bytes(model) * {"int8": 0.25, "w8a8": 0.25, "bf16": 0.5}.get(weights, 1.0)
+    draft = weight_bytes(model) * 0.25 * (4 / next(model.parameters()).element_size())
+    total = 0.0
+    for shape in shapes:
+        f = dict(zip(FEATURES, shape))
+        flop = (2 * linear * (f["query_tokens"] + f["draft_tokens"]) + 2 * head * (f["sampled_rows"] + f["draft_tokens"])
+                + attention * (1e3 * (f["decode_kv_ktokens"] + f["draft_kv_ktokens"]) + 1e6 * f["prefill_attention_mtokens2"]))
+        byte = read + f["draft_passes"] * draft + 1e3 * f["decode_kv_distinct_ktokens"] * kv_bytes
+        total += max(flop / (gflops * 1e9), byte / (gbps * 1e9))
+    return total
+
+
 def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sharing: bool = True,
                attention: str | None = None, **config_fields):
     """Run the workload through jitney (each request submitted at its `args.arrivals` second, when given);
@@ -156,6 +185,8 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
 
         plugins.append(schedule := ScheduleTimeline())
     engine = Engine(model, tokenizer, config, plugins=plugins)
+    stats.recorder = StepRecorder(engine.executor)  # (each step's shape, for `attainable_seconds`)
+    stats.weights = config.weights
     arrivals = getattr(args, "arrivals", None)
     out: list[list[int]] = [[] for _ in work]
 
@@ -360,6 +391,9 @@ def main(args) -> int:
                     "draft_accepted_share": round(stats.accepted / max(1, stats.drafted), 3)}
             if stats.attention_s is not None:  # (draft passes included)
                 row["attention_share"] = round(stats.attention_s / wall, 3)
+            recorder = getattr(stats, "recorder", None)
+            if recorder is not None:
+                row |= {"step_shapes": recorder.shapes, "weights": stats.weights}
         rows.append(row)
         print(f"  {label}: {wall:.1f} s (+{startup:.1f} s start-up)", flush=True)
     # This machine's speed drifts: probe again and take the faster reading (the roofline shares err low).
@@ -371,6 +405,9 @@ def main(args) -> int:
     base = outputs[rows[0]["mode"]]
     for row in rows:
         row["roofline_share"] = round(gflop / peak / row["wall_s"], 3)
+        if row.get("step_shapes"):
+            bound = attainable_seconds(model, row.pop("step_shapes"), peak, read, row.pop("weights"))
+            row["attainable_share"] = round(bound / row["wall_s"], 3)
         if len(work) == 1:  # one stream: bound by reading the weights each token, not by the matmuls
             row["weight_read_share"] = round(row["output_tok_s"] / weight_limit, 3)
         row["same_tokens_as_first"] = agreement(outputs[row["mode"]], base)
@@ -389,6 +426,10 @@ def main(args) -> int:
         print(f"{row['mode']:<14} {row['wall_s']:>7.1f} {row['output_tok_s']:>9.1f} {cb:>8} {static:>9} "
               f"{row['roofline_share']:>8.0%} {hit:>8} {computed:>15} {itl:>10} {preempted:>9} "
               f"{row['same_tokens_as_first']:>11.0%} {row['peak_rss_mib']:>12}")
+    if any("attainable_share" in row for row in rows):
+        print("share of the attainable (each step: its multiply-adds at the matmul peak or its weight and KV reads at "
+              "the read rate, the longer): " + ", ".join(f"{row['mode']} {row['attainable_share']:.0%}" for row in rows
+                                                          if "attainable_share" in row))
     if any("attention_share" in row for row in rows):
         print("share of the wall time in attention (jitney's one-call decoder): "
               + ", ".join(f"{row['mode']} {row['attention_share']:.0%}" for row in rows if "attention_share" in row))

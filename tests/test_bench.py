@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from support import tiny_llama
 
 from jitney.bench.workloads import CHAT_QUESTION, CHAT_QUESTIONS, chat_4, single_chat
@@ -29,6 +30,31 @@ def test_bench_runs_each_mode_and_writes_json_and_a_plot(tmp_path):
     model = tiny_llama()
     assert report["weight_bytes"] == sum(p.numel() * 4 for p in model.parameters()) - model.model.embed_tokens.weight.numel() * 4
     assert report["read_gbps"] > 0 and "weight_read_share" not in jitney  # many requests: not read-bound
+    assert 0 < jitney["attainable_share"] and "attainable_share" not in cb and "step_shapes" not in jitney
+
+
+def test_the_attainable_bound_is_each_steps_compute_or_its_reads():
+    from jitney.bench.profile import FEATURES
+    from jitney.bench.run import attainable_seconds, weight_bytes
+
+    model = tiny_llama()
+    c = model.config
+    linear = sum(p.numel() for n, p in model.model.layers.named_parameters() if p.dim() == 2)
+    head_dim = c.hidden_size // c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4
+
+    def step(**f):
+        return [float(f.get(name, 0.0)) for name in FEATURES]
+
+    one = step(step=1, query_tokens=1, sampled_rows=1, decode_kv_ktokens=0.1, decode_kv_distinct_ktokens=0.1)
+    reads = (weight_bytes(model) + 100 * kv) / 1e9  # at 1 GB/s
+    assert attainable_seconds(model, [one], 1e9, 1.0, None) == pytest.approx(reads)  # no compute counted at 1e9 GFLOP/s
+    many = step(step=1, query_tokens=256, prefill_attention_mtokens2=0.01)
+    flop = 2 * linear * 256 + 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * 1e4
+    assert attainable_seconds(model, [many], 1.0, 1e9, None) == pytest.approx(flop / 1e9)  # at 1 GFLOP/s
+    assert attainable_seconds(model, [one, many], 1.0, 1.0, None) == pytest.approx(
+        max(reads, attainable_seconds(model, [one], 1.0, 1e9, None)) + max(flop / 1e9, weight_bytes(model) / 1e9))
+    assert attainable_seconds(model, [one], 1e9, 1.0, "int8") < reads  # a quarter of the weights' bytes
 
 
 def test_bench_gives_one_stream_its_share_of_the_weight_read_limit(tmp_path):
