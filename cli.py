@@ -14,7 +14,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     engine = Engine.from_pretrained(args.model, config=EngineConfig(
         max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, speculative_tokens=args.speculative_tokens,
-        weights=args.weights, scheduler=args.scheduler, eviction=args.eviction))
+        weights=args.weights, scheduler=args.scheduler, eviction=args.eviction, chunk_context_cost=args.chunk_context_cost))
     tok = engine.tokenizer
     prompt: str | list[int] = args.prompt
     if not args.raw and tok is not None and tok.chat_template:
@@ -45,6 +45,9 @@ def _setup(args: argparse.Namespace) -> int:
 def _policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", default="fifo", help="a registered scheduler (see `jitney plugins`)")
     parser.add_argument("--eviction", default="mru", help="a registered eviction policy (see `jitney plugins`)")
+    parser.add_argument("--chunk-context-cost", type=float, default=None,
+                        help="what a prompt chunk's attention adds to its count against --max-batch-tokens, per query "
+                             "token and position (default: the model's own; 0: tokens only; EngineConfig.chunk_context_cost)")
 
 
 def _cpu_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +63,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     fields = dict(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
                   cpu_offload_space=args.cpu_offload_space, speculative_tokens=args.speculative_tokens,
-                  weights=args.weights, scheduler=args.scheduler, eviction=args.eviction)
+                  weights=args.weights, scheduler=args.scheduler, eviction=args.eviction,
+                  chunk_context_cost=args.chunk_context_cost)
     EngineConfig(**fields)  # (a bad value is refused here, before any replica starts)
     if args.replicas < 1:
         raise ValueError("--replicas must be >= 1")

@@ -134,3 +134,5 @@ def test_serving_several_replicas_refuses_bad_options_before_starting_anything(c
     assert "unknown router 'nearest'" in capsys.readouterr().err
     assert main(["serve", "--replicas", "0"]) == 2
     assert "--replicas must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--chunk-context-cost", "-1"]) == 2
+    assert "EngineConfig.chunk_context_cost" in capsys.readouterr().err
