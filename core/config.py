@@ -35,9 +35,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """What a prompt chunk's attention adds to its count against `max_batch_tokens`: each of its query tokens
     counts 1 + c x this, c the positions it attends to, so that a step carrying a chunk late in a long prompt
     costs about what one early in it does, and the decodes beside it wait no longer (decode rows count 1).
-    `None`: the model's own ratio, computed when the engine is built (`assembly.chunk_context_cost`: attention's
-    multiply-adds per position over a token's in the linear layers; SmolLM2 1 / 3,072, so a token at 4,096
-    positions counts 2.3); 0: tokens only."""
+    `None`: the model's own, computed when the engine is built (`assembly.chunk_context_cost`: attention's
+    multiply-adds per position over a token's in the linear layers, over attention's pace against theirs as
+    measured on this project's CPU kernels, `assembly.ATTENTION_PACE`; SmolLM2 1 / 1,536, so a token at 4,096
+    positions counts 3.7); 0: tokens only. On other hardware, set it from the steps' own times."""
     max_batch_cache_blocks: PositiveInt | None = None
     """The cache budget: KV blocks read in one forward pass (`None`: the whole cache). It bounds the
     attention's gather buffers."""

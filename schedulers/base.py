@@ -122,14 +122,14 @@ class BatchBuilder:
         cost = n
         if n > 1 and self.context_cost:
             n, cost = self.chunk(seq.num_computed, n)
-            if n == 0:
-                return "full"
         total = seq.num_computed + n
         reads = -(-total // cache.block_size)
         need = cache.blocks_needed(seq.request_id, total)
         result = "ok"
         # (most decodes need no new block: they skip the free count and the reservation)
-        if need and need > cache.num_free_blocks:
+        if n == 0:  # not one token of the chunk fits what the batch has left
+            result = "full"
+        elif need and need > cache.num_free_blocks:
             result = "cache"
             if not new:
                 self.batch.stalled.append((seq, need))

@@ -83,6 +83,18 @@ def test_a_chunk_that_counts_more_than_the_budget_still_moves_alone():
     assert [s for s, _ in batch.entries] == [dec]  # beside a decode, nothing of it fits
 
 
+def test_a_waiting_prompt_whose_chunk_does_not_fit_gives_its_cached_prefix_back():
+    c = CacheManager(1, 1, 4, 4, 100, torch.float32, torch.device("cpu"), prefix_caching=True)
+    first = seq(40, 0, computed=40, outputs=1)  # decoding; its 40 prompt tokens cached
+    activate(c, first)
+    c.commit(first)
+    later = seq(80, 1)  # the same 40 tokens first: a prefix hit
+    config = EngineConfig(max_batch_tokens=8, chunk_context_cost=1.0)  # its next token counts 42: 7 are left
+    batch = FifoScheduler(config).schedule([later], [first], c)
+    assert [s for s, _ in batch.entries] == [first]
+    assert later.num_computed == 0 and c.blocks_held(later.request_id) == 0  # the match undone, not leaked
+
+
 def test_request_cap():
     c = cache()
     waiting = [seq(3, i) for i in range(10)]
