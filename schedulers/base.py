@@ -158,8 +158,8 @@ class BatchBuilder:
         def count(n: int) -> float:
             return n + k * (n * computed + n * (n + 1) / 2)
 
-        b = 1 + k * computed + k / 2  # count(n) = k / 2 n^2 + b n
-        n = min(most, int((math.sqrt(b * b + 2 * k * left) - b) / k))
+        b = 1 + k * computed + k / 2  # count(n) = k / 2 n^2 + b n: its root at `left`, in a form without 1 / k
+        n = min(most, int(2 * left / (b + math.sqrt(b * b + 2 * k * left))))
         while n > 0 and count(n) > left:  # (float rounding)
             n -= 1
         if n == 0:
