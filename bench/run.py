@@ -116,12 +116,18 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
 
 
+def linear_weights(model) -> int:
+    """Weights a token goes through in the decoder layers' linears (every 2-D parameter but the embeddings and
+    the LM head)."""
+    return sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
+
+
 def workload_gflop(model, work: Workload) -> float:
     """Matmul work of the workload computed from scratch (no prefix reuse): projections for every token,
     attention over each context, the LM head for every sampled token."""
     c = model.config.get_text_config()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
+    weights = linear_weights(model)
     flops = 0.0
     for prompt, n in work:
         tokens = len(prompt) + n
@@ -143,7 +149,7 @@ def attainable_seconds(model, shapes: list[list[float]], gflops: float, gbps: fl
     heads, layers = mc.num_attention_heads, mc.num_hidden_layers
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
     kv_heads = getattr(mc, "num_key_value_heads", None) or heads
-    linear = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
+    linear = linear_weights(model)
     head = mc.hidden_size * mc.vocab_size
     attention = 4 * layers * heads * head_dim  # multiply-adds x 2 per query and position
     kv_bytes = 2 * layers * kv_heads * head_dim * 4  # (an fp32 cache)
@@ -391,9 +397,7 @@ def main(args) -> int:
                     "draft_accepted_share": round(stats.accepted / max(1, stats.drafted), 3)}
             if stats.attention_s is not None:  # (draft passes included)
                 row["attention_share"] = round(stats.attention_s / wall, 3)
-            recorder = getattr(stats, "recorder", None)
-            if recorder is not None:
-                row |= {"step_shapes": recorder.shapes, "weights": stats.weights}
+            row |= {"step_shapes": stats.recorder.shapes, "weights": stats.weights}  # (set by `run_jitney`)
         rows.append(row)
         print(f"  {label}: {wall:.1f} s (+{startup:.1f} s start-up)", flush=True)
     # This machine's speed drifts: probe again and take the faster reading (the roofline shares err low).
