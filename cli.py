@@ -14,7 +14,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     engine = Engine.from_pretrained(args.model, config=EngineConfig(
         max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, speculative_tokens=args.speculative_tokens,
-        weights=args.weights, scheduler=args.scheduler, eviction=args.eviction, chunk_context_cost=args.chunk_context_cost))
+        weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, scheduler=args.scheduler, eviction=args.eviction,
+        chunk_context_cost=args.chunk_context_cost))
     tok = engine.tokenizer
     prompt: str | list[int] = args.prompt
     if not args.raw and tok is not None and tok.chat_template:
@@ -56,6 +57,9 @@ def _cpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default=None, choices=["int8", "w8a8", "bf16"],
                         help="int8: the linear layers through int8 copies of their weights; w8a8: their inputs rounded "
                              "to int8 too; bf16: through bf16 copies (CPU; EngineConfig.weights)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["bf16"],
+                        help="bf16: keys and values cached rounded to bfloat16, half the memory and half what decode "
+                             "attention reads (EngineConfig.kv_cache_dtype)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -63,8 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     fields = dict(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
                   cpu_offload_space=args.cpu_offload_space, speculative_tokens=args.speculative_tokens,
-                  weights=args.weights, scheduler=args.scheduler, eviction=args.eviction,
-                  chunk_context_cost=args.chunk_context_cost)
+                  weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, scheduler=args.scheduler,
+                  eviction=args.eviction, chunk_context_cost=args.chunk_context_cost)
     EngineConfig(**fields)  # (a bad value is refused here, before any replica starts)
     if args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
@@ -110,7 +114,7 @@ _TOOLS = {
                                           "`jitney simulate` uses (or --analytic, from hardware figures)"),
     "trace": ("jitney.bench.traces", "generate a request trace (JSONL) of a realistic shape"),
     "quality": ("jitney.bench.quality", "perplexity on held-out text through the engine's kernels, fp32 against int8 "
-                                        "weights, and how often their most likely tokens agree"),
+                                        "weights or a bf16 KV cache, and how often their most likely tokens agree"),
 }
 """Subcommands whose module has `add_arguments(parser)` and `main(args)`."""
 

@@ -1,6 +1,7 @@
-"""`jitney quality`: what a weight format costs in quality, measured. Perplexity of a model on held-out English
-text through the engine's own linear kernels, fp32 against int8 weights and int8 weights and activations
-(`EngineConfig.weights`), and how often each one's most likely next token is fp32's (teacher-forced, every
+"""`jitney quality`: what a weight format or a KV cache's dtype costs in quality, measured. Perplexity of a model on
+held-out English text through the engine's own linear kernels, fp32 against int8 weights and int8 weights and
+activations (`EngineConfig.weights`), and keys and values rounded as a bf16 cache holds them
+(`EngineConfig.kv_cache_dtype`), and how often each one's most likely next token is fp32's (teacher-forced, every
 position).
 
 The text is one every Python installation ships: the topics of the language reference that `help()` shows
@@ -10,6 +11,7 @@ rounding needs no calibration data)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -17,11 +19,15 @@ import time
 import torch
 
 WEIGHTS = ("fp32", "int8", "w8a8", "bf16")
+KV = "kvbf16"
+"""A kind's suffix (`int8+kvbf16`): its keys and values rounded to bf16 as a bf16 KV cache holds them."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help='a local checkpoint directory, or "smollm2" (default)')
-    parser.add_argument("--weights", default="fp32,int8", help="comma-separated: fp32, int8, w8a8, bf16 (the first is the baseline)")
+    parser.add_argument("--weights", default="fp32,int8",
+                        help=f"comma-separated: fp32, int8, w8a8, bf16, each optionally +{KV} (keys and values rounded "
+                             "as a bf16 KV cache holds them); the first is the baseline")
     parser.add_argument("--tokens", type=int, default=32768, help="tokens of the text to score (its start)")
     parser.add_argument("--window", type=int, default=1024, help="tokens a forward pass sees (windows do not overlap)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this file")
@@ -53,12 +59,14 @@ def score(model, ids: torch.Tensor, window: int) -> tuple[float, torch.Tensor]:
 def main(args: argparse.Namespace) -> int:
     from jitney.core.models import load_model
     from jitney.kernels import cpu_linear, native
+    from jitney.kernels.base import RoundedKV
 
     kinds = args.weights.split(",")
     for kind in kinds:
-        if kind not in WEIGHTS:
-            raise ValueError(f"--weights: unknown {kind!r} (known: {', '.join(WEIGHTS)})")
-    if set(kinds) - {"fp32"} and not native.available():
+        weights, _, kv = kind.partition("+")
+        if weights not in WEIGHTS or kv not in ("", KV):
+            raise ValueError(f"--weights: unknown {kind!r} (known: {', '.join(WEIGHTS)}, each optionally +{KV})")
+    if {k.partition("+")[0] for k in kinds} - {"fp32"} and not native.available():
         raise ValueError("int8, w8a8 and bf16 weights need jitney's C++ kernels, which do not build here")
     if args.tokens < 2 or args.window < 2:
         raise ValueError("--tokens and --window must be at least 2")
@@ -70,8 +78,10 @@ def main(args: argparse.Namespace) -> int:
     rows, base = [], None
     for kind in kinds:
         t = time.perf_counter()
-        quantized = None if kind == "fp32" else kind
-        with cpu_linear.PackedLinears(model, quantized=quantized):  # (the engine's kernels, fp32 too)
+        weights, _, kv = kind.partition("+")
+        rounded_kv = RoundedKV(model) if kv else contextlib.nullcontext()
+        # (the engine's kernels, fp32 too)
+        with cpu_linear.PackedLinears(model, quantized=None if weights == "fp32" else weights), rounded_kv:
             nll, best = score(model, ids, args.window)
         row = {"weights": kind, "perplexity": round(math.exp(nll), 4), "seconds": round(time.perf_counter() - t, 1)}
         if base is None:
@@ -81,11 +91,12 @@ def main(args: argparse.Namespace) -> int:
             row["top1_same_as_first"] = round((best == base[1]).float().mean().item(), 4)
         rows.append(row)
         print(f"  {kind}: perplexity {row['perplexity']:.4f} ({row['seconds']} s)", flush=True)
-    print(f"\n{'weights':<8} {'perplexity':>10} {'vs ' + kinds[0]:>9} {'same top-1':>10}")
+    width = max(8, *map(len, kinds))
+    print(f"\n{'weights':<{width}} {'perplexity':>10} {'vs ' + kinds[0]:>9} {'same top-1':>10}")
     for row in rows:
         diff = f"{row['perplexity_vs_first']:+.2%}" if "perplexity_vs_first" in row else "-"
         same = f"{row['top1_same_as_first']:.2%}" if "top1_same_as_first" in row else "-"
-        print(f"{row['weights']:<8} {row['perplexity']:>10.4f} {diff:>9} {same:>10}")
+        print(f"{row['weights']:<{width}} {row['perplexity']:>10.4f} {diff:>9} {same:>10}")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"model": args.model, "text": "pydoc_data.topics", "tokens": len(ids), "window": args.window,

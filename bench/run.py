@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="jitney,hf-cb,hf-static",
                         help="comma-separated: jitney, jitney-nocache (prefix caching off), jitney-nospec "
                              "(speculative decoding off), jitney-unfused (transformers' layers over the packed linears, no one-call decoder), jitney-int8 / jitney-w8a8 / jitney-bf16 (int8 weights / and activations / bf16 weights), "
+                             "jitney-kvbf16 (a bf16 KV cache), "
                              "hf-cb (transformers continuous batching), hf-static (transformers generate), llama-cpp / llama-cpp-q4 (llama.cpp on the same weights in F32 "
                              "/ the embedded Q4_1; `make bench-peers`)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies: one jitney run each")
@@ -137,11 +138,13 @@ def workload_gflop(model, work: Workload) -> float:
     return flops / 1e9
 
 
-def attainable_seconds(model, shapes: list[list[float]], gflops: float, gbps: float, weights: str | None) -> float:
+def attainable_seconds(model, shapes: list[list[float]], gflops: float, gbps: float, weights: str | None,
+                       kv_itemsize: int = 4) -> float:
     """The roofline of the steps a run took (`profile.features` of each): a step takes at least its multiply-adds
     at the matmul peak `gflops`, and at least its reads at the memory read rate `gbps`: every weight once (the
     packed copy's bytes: `weights` "int8" / "w8a8" a quarter of fp32's, "bf16" half; a speculative step's
-    draft passes an int8 copy each) and the KV blocks its decode rows read (distinct ones once). Summed over
+    draft passes an int8 copy each) and the KV blocks its decode rows read (distinct ones once; `kv_itemsize`
+    bytes an element: 2 for a bf16 cache). Summed over
     steps, the longer of the two each: compute and memory overlapped perfectly, nothing else counted."""
     from jitney.bench.profile import FEATURES
 
@@ -152,7 +155,7 @@ def attainable_seconds(model, shapes: list[list[float]], gflops: float, gbps: fl
     linear = linear_weights(model)
     head = mc.hidden_size * mc.vocab_size
     attention = 4 * layers * heads * head_dim  # multiply-adds x 2 per query and position
-    kv_bytes = 2 * layers * kv_heads * head_dim * 4  # (an fp32 cache)
+    kv_bytes = 2 * layers * kv_heads * head_dim * kv_itemsize
     read = weight_bytes(model) * {"int8": 0.25, "w8a8": 0.25, "bf16": 0.5}.get(weights, 1.0)
     draft = weight_bytes(model) * 0.25 * (4 / next(model.parameters()).element_size())
     total = 0.0
@@ -192,7 +195,7 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
         plugins.append(schedule := ScheduleTimeline())
     engine = Engine(model, tokenizer, config, plugins=plugins)
     stats.recorder = StepRecorder(engine.executor)  # (each step's shape, for `attainable_seconds`)
-    stats.weights = config.weights
+    stats.weights, stats.kv_itemsize = config.weights, engine.cache.keys[0].element_size()
     arrivals = getattr(args, "arrivals", None)
     out: list[list[int]] = [[] for _ in work]
 
@@ -295,6 +298,8 @@ def runs(args) -> list[tuple[str, Callable]]:
             out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, fuse_cpu_layers=False)))
         elif mode in ("jitney-int8", "jitney-w8a8", "jitney-bf16"):
             out.append((mode, lambda m, t, w, a, q=mode[7:]: run_jitney(m, t, w, a, weights=q)))
+        elif mode == "jitney-kvbf16":
+            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, kv_cache_dtype="bf16")))
         elif mode in ("hf-cb", "hf-static"):
             out.append((mode, run_hf_cb if mode == "hf-cb" else run_hf_static))
         elif mode in ("llama-cpp", "llama-cpp-q4"):
@@ -397,7 +402,8 @@ def main(args) -> int:
                     "draft_accepted_share": round(stats.accepted / max(1, stats.drafted), 3)}
             if stats.attention_s is not None:  # (draft passes included)
                 row["attention_share"] = round(stats.attention_s / wall, 3)
-            row |= {"step_shapes": stats.recorder.shapes, "weights": stats.weights}  # (set by `run_jitney`)
+            row |= {"step_shapes": stats.recorder.shapes, "weights": stats.weights,  # (set by `run_jitney`)
+                    "kv_itemsize": stats.kv_itemsize}
         rows.append(row)
         print(f"  {label}: {wall:.1f} s (+{startup:.1f} s start-up)", flush=True)
     # This machine's speed drifts: probe again and take the faster reading (the roofline shares err low).
@@ -410,7 +416,7 @@ def main(args) -> int:
     for row in rows:
         row["roofline_share"] = round(gflop / peak / row["wall_s"], 3)
         if row.get("step_shapes"):
-            bound = attainable_seconds(model, row.pop("step_shapes"), peak, read, row.pop("weights"))
+            bound = attainable_seconds(model, row.pop("step_shapes"), peak, read, row.pop("weights"), row.pop("kv_itemsize"))
             row["attainable_share"] = round(bound / row["wall_s"], 3)
         if len(work) == 1:  # one stream: bound by reading the weights each token, not by the matmuls
             row["weight_read_share"] = round(row["output_tok_s"] / weight_limit, 3)

@@ -38,9 +38,24 @@ def half_fused(cfg: EngineConfig, model) -> bool:
             and cpu_layers.FusedDecoder.supports(model))
 
 
+def kv_cache_dtype(cfg: EngineConfig, backend, name: str, computed: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: `computed` (what the model's attention computes in), or bf16 with `cfg.kv_cache_dtype`;
+    a `ValueError` where the attention backend cannot read that under `computed` queries."""
+    if cfg.kv_cache_dtype is None:
+        return computed
+    dtype = torch.bfloat16
+    if dtype != computed and dtype not in getattr(backend, "cache_dtypes", ()):
+        raise ValueError(
+            f"EngineConfig.kv_cache_dtype={cfg.kv_cache_dtype!r}: the attention backend {name!r} does not read a bf16 "
+            f"cache under {str(computed).removeprefix('torch.')} queries (the 'cpu' backend does: an fp32 model on CPU "
+            "where jitney's C++ kernels build)")
+    return dtype
+
+
 def build_cache(cfg: EngineConfig, mc, dtype: torch.dtype, device: torch.device, max_context: float,
-                eviction) -> CacheManager:
-    """The paged KV cache for the model config `mc`: `num_blocks` as given, else solved from free memory."""
+                eviction, activations: torch.dtype | None = None) -> CacheManager:
+    """The paged KV cache of `dtype` for the model config `mc`: `num_blocks` as given, else solved from free
+    memory (less a step's overhead, its activations of dtype `activations`, by default the cache's)."""
     heads = mc.num_attention_heads
     kv_heads = getattr(mc, "num_key_value_heads", None) or heads
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
@@ -50,7 +65,7 @@ def build_cache(cfg: EngineConfig, mc, dtype: torch.dtype, device: torch.device,
     if num_blocks is None:
         overhead = step_overhead_bytes(
             cfg.max_batch_tokens, cfg.max_requests_per_batch, mc.hidden_size,
-            getattr(mc, "intermediate_size", 4 * mc.hidden_size), mc.vocab_size, heads, dtype,
+            getattr(mc, "intermediate_size", 4 * mc.hidden_size), mc.vocab_size, heads, activations or dtype,
         )
         most_useful = None
         if max_context != math.inf:

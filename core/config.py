@@ -79,9 +79,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """On CPU, run Llama-like fp32 decoder layers (Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma 1-3, OLMo2, Granite,
     SmolLM3) as a dozen calls each: C++ RMSNorm, rotary and the MLP's activation, one linear each over the q/k/v and
     the gate/up weights stacked (`kernels/cpu_layers.py`), and every step in one C++ call. A bf16 or fp16 model whose
-    every layer is one of these computes there in fp32 over its own weights (and an fp32 KV cache) where the
-    default attention backend serves (`core/assembly.half_fused`). `None`: on where the weights are packed and the
-    C++ kernels build."""
+    every layer is one of these computes there in fp32 over its own weights (and an fp32 KV cache, unless
+    `kv_cache_dtype`) where the default attention backend serves (`core/assembly.half_fused`). `None`: on where the
+    weights are packed and the C++ kernels build."""
 
     batch_invariant: bool = False
     """Every request's logits bit-identical whatever else is batched with it and however its prompt is chunked
@@ -109,6 +109,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     linear's input width to be a multiple of 32. `"bf16"`: every fp32 linear through a copy of its weights rounded
     to bfloat16 (half the bytes; rows and sums fp32, so tokens are `generate`'s over the rounded weights, and
     fp32's exactly for a checkpoint published in bf16); speculation stays on (its draft is int8)."""
+
+    kv_cache_dtype: Literal["bf16"] | None = None
+    """`None`: the KV cache holds keys and values as the model computes them (fp32 for an fp32 model, and for a bf16
+    or fp16 model on the one-call decoder). `"bf16"`: rounded to bfloat16 as they are written (to nearest even): half
+    the bytes, so twice the tokens in the same memory and half of what a decode step's attention reads. Queries,
+    scores and sums stay fp32 (the `cpu` attention backend widens each key and value exactly as it reads it), so a
+    row's output is fp32 attention over the rounded keys and values: tokens are not fp32's, they part from them at
+    near-ties (perplexity, agreement and speed in docs/benchmarks.md); deterministic and batch-invariant like fp32.
+    Needs an attention backend that reads such a cache (`AttentionBackend.cache_dtypes`: the `cpu` backend, the
+    default for fp32 models on CPU where jitney's C++ kernels build) or a model that computes in bf16; otherwise a
+    `ValueError` at start-up."""
 
     check_model: bool = True
     """When the engine is entered, run a few positions through the model's own attention and through the path

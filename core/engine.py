@@ -61,8 +61,9 @@ class Engine:
         backend = assembly.invariant_backend(config, backend, backend_name, param.device)
         assembly.check_weights(config, model)
         eviction = registry(self.plugins, "eviction policy").create(config.eviction, config)
-        self.cache = assembly.build_cache(config, mc, torch.float32 if half else param.dtype, param.device,
-                                          self.max_context, eviction)
+        computed = torch.float32 if half else param.dtype
+        kv_dtype = assembly.kv_cache_dtype(config, backend, backend_name, computed)
+        self.cache = assembly.build_cache(config, mc, kv_dtype, param.device, self.max_context, eviction, computed)
         self.executor = StepExecutor(model, self.cache, backend)
         self.executor.static, self.async_batching = assembly.plan_static_steps(
             config, model, self.cache, backend, self.executor.compute_stream, param.device)
@@ -117,7 +118,7 @@ class Engine:
         if check:  # the model's own logits, before anything of jitney's is bound to it
             sequences = selfcheck.probe_tokens(self.vocab_size)
             reference = self._forward.pool.submit(selfcheck.reference_logits, self.model, sequences,
-                                                  self.config.weights).result()
+                                                  self.config.weights, self.config.kv_cache_dtype).result()
         self._saved_attn = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_NAME)
         self._attn_bound = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from array import array
 from dataclasses import dataclass
 from functools import cached_property
@@ -9,6 +10,8 @@ from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
 def int_tensor(values: list[int], device: torch.device | None = None) -> torch.Tensor:
@@ -114,6 +117,11 @@ class AttentionBackend(Protocol):
     context alone, summed in an order that the rest of the step does not change: only such a backend serves
     `EngineConfig.batch_invariant`.
 
+    A backend whose ``cache_dtypes`` (a set of torch dtypes) holds ``torch.bfloat16`` reads a bf16 cache under
+    queries of the model's own dtype (`EngineConfig.kv_cache_dtype`): `StepInputs.keys` / ``values`` are then bf16,
+    and the step writes the new K/V into them rounded. Without it, such a cache is refused at start-up (unless the
+    model computes in bf16 anyway).
+
     A backend that sets ``reads_unwritten_slots = False`` reads no slot of a request's blocks past its
     context: the engine then leaves new blocks as they are, where for others it zeroes them before each step
     (a masked slot weighs nothing only if it holds a finite value).
@@ -143,3 +151,33 @@ def jitney_attention(module, query, key, value, attention_mask, scaling=None, sl
 
 
 AttentionInterface.register(ATTN_NAME, jitney_attention)
+
+
+class RoundedKV:
+    """While entered, `model`'s attention (its own function: SDPA, eager, ...) reads its keys and values rounded to
+    `dtype` and widened back, as a cache of that dtype holds them (`EngineConfig.kv_cache_dtype`): torch's reference
+    for it (the start-up check's, the tests', `jitney quality`'s)."""
+
+    def __init__(self, model, dtype: torch.dtype = torch.bfloat16):
+        self.model, self.dtype = model, dtype
+        self.saved: str | None = None
+
+    def __enter__(self) -> "RoundedKV":
+        self.saved = inner = self.model.config._attn_implementation
+        name = f"jitney-kv-{str(self.dtype).removeprefix('torch.')}-{inner}"
+        if name not in ALL_ATTENTION_FUNCTIONS:
+            dtype = self.dtype
+
+            def attend(module, query, key, value, attention_mask, **kwargs):
+                own = (sys.modules[type(module).__module__].eager_attention_forward if inner == "eager"
+                       else ALL_ATTENTION_FUNCTIONS[inner])
+                key, value = key.to(dtype).to(key.dtype), value.to(dtype).to(value.dtype)
+                return own(module, query, key, value, attention_mask, **kwargs)
+
+            AttentionInterface.register(name, attend)
+            ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+        self.model.set_attn_implementation(name)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.model.set_attn_implementation(self.saved)

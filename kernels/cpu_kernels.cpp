@@ -169,10 +169,41 @@ static inline float hsum(v8 v) {
 #endif
 }
 
+// A KV cache holds fp32, or bf16 (`EngineConfig.kv_cache_dtype`: the upper halves of fp32 values, kept as their
+// bits); an element as fp32, widened exactly.
+static inline float to_float(float x) { return x; }
+static inline float to_float(uint16_t x) {
+  const uint32_t w = (uint32_t)x << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
+}
+
+// n fp32 values into the cache: as they are, or rounded to bf16 to nearest even, as torch rounds them (so that a
+// step written here and one written by torch's `index_copy_` leave the same bits).
+static inline void store_row(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
+static inline void store_row(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t w;
+    std::memcpy(&w, src + i, sizeof w);
+    dst[i] = std::isnan(src[i]) ? (uint16_t)0x7fc0 : (uint16_t)((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+  }
+}
+
+// fn(keys, values) over a layer's cache as its elements are stored: fp32, or bf16 (as their bits).
+template <typename F>
+static void with_cache(const torch::Tensor& k, const torch::Tensor& v, const F& fn) {
+  const auto t = k.scalar_type();
+  TORCH_CHECK(v.scalar_type() == t && (t == torch::kFloat || t == torch::kBFloat16),
+              "the KV cache: fp32 or bf16, keys and values alike");
+  if (t == torch::kFloat) fn(k.data_ptr<float>(), v.data_ptr<float>());
+  else fn(reinterpret_cast<uint16_t*>(k.data_ptr<at::BFloat16>()), reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>()));
+}
+
 // The scores of HEADS query heads (q, one after another) against P keys (k, one after another), the first
 // `dim8` dims in vectors and the rest one by one: P * HEADS independent sums, each key loaded once for all.
-template <int P, int HEADS>
-static inline void key_scores(const float* q, const float* k, int64_t dim, int64_t dim8, float scale, float* s, int64_t ld) {
+template <int P, int HEADS, typename T>
+static inline void key_scores(const float* q, const T* k, int64_t dim, int64_t dim8, float scale, float* s, int64_t ld) {
   v8 acc[HEADS][P];
   for (int g = 0; g < HEADS; ++g)
     for (int j = 0; j < P; ++j) acc[g][j] = v8{};
@@ -187,14 +218,14 @@ static inline void key_scores(const float* q, const float* k, int64_t dim, int64
   for (int g = 0; g < HEADS; ++g)
     for (int j = 0; j < P; ++j) {
       float sum = hsum(acc[g][j]);
-      for (int64_t d = dim8; d < dim; ++d) sum += q[g * dim + d] * k[j * dim + d];
+      for (int64_t d = dim8; d < dim; ++d) sum += q[g * dim + d] * to_float(k[j * dim + d]);
       s[g * ld + j] = sum * scale;
     }
 }
 
 // `key_scores` for all `group` query heads, two at a time.
-template <int P>
-static inline void every_head_scores(const float* q, int64_t group, const float* k, int64_t dim, int64_t dim8, float scale,
+template <int P, typename T>
+static inline void every_head_scores(const float* q, int64_t group, const T* k, int64_t dim, int64_t dim8, float scale,
                                      float* s, int64_t ld) {
   int64_t g = 0;
   for (; g + 2 <= group; g += 2) key_scores<P, 2>(q + g * dim, k, dim, dim8, scale, s + g * ld, ld);
@@ -202,8 +233,8 @@ static inline void every_head_scores(const float* q, int64_t group, const float*
 }
 
 // acc[NV] += p_i * v_i over `count` value rows (stride `dim`), NV vectors of dims from v.
-template <int NV>
-static inline void weighted_values(const float* p, const float* v, int64_t count, int64_t dim, float* out) {
+template <int NV, typename T>
+static inline void weighted_values(const float* p, const T* v, int64_t count, int64_t dim, float* out) {
   v8 acc[NV];
   for (int c = 0; c < NV; ++c) acc[c] = load8(out + 8 * c);
   for (int64_t i = 0; i < count; ++i)
@@ -211,7 +242,8 @@ static inline void weighted_values(const float* p, const float* v, int64_t count
   std::memcpy(out, acc, sizeof acc);
 }
 
-static inline void weighted_values_any(int64_t nv, const float* p, const float* v, int64_t count, int64_t dim, float* out) {
+template <typename T>
+static inline void weighted_values_any(int64_t nv, const float* p, const T* v, int64_t count, int64_t dim, float* out) {
   switch (nv) {
     case 8: weighted_values<8>(p, v, count, dim, out); break;
     case 7: weighted_values<7>(p, v, count, dim, out); break;
@@ -257,14 +289,16 @@ static inline void soft_cap(float* s, int64_t n, float cap) {
 // prefetched while this block's are read. Where `softcap` > 0 the scores are soft-capped; where `sinks` is
 // given (one logit per query head) each head's sink joins its softmax's denominator.
 #ifdef __AVX512F__
+template <typename T>
 static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, int64_t heads, int64_t dim,
-                               const float* kp, const float* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
+                               const T* kp, const T* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
                                int64_t width, const int64_t* cp, float* op, double scale, int64_t window,
                                int64_t block_size, bool small, float softcap, const float* sinks);
 #endif
 
+template <typename T>
 static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, int64_t heads, int64_t dim,
-                             const float* kp, const float* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
+                             const T* kp, const T* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
                              int64_t width, const int64_t* cp, float* op, double scale, int64_t window,
                              int64_t block_size, bool small, float softcap = 0.f, const float* sinks = nullptr) {
 #ifdef __AVX512F__
@@ -284,8 +318,8 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
       scores.resize(group * n);
       const float* q0 = qp + r * q_stride + h * group * dim;
       const int64_t* table = tp + r * width;
-      const float* kh = kp + h * slots * dim;
-      const float* vh = vp + h * slots * dim;
+      const T* kh = kp + h * slots * dim;
+      const T* vh = vp + h * slots * dim;
       // fn(where the run starts in the head's storage, its first position counted from `first`, its length,
       // where the next block starts or -1) for each block's run of positions in [first, len)
       auto runs = [&](auto&& fn) {
@@ -298,7 +332,7 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
         }
       };
       runs([&](int64_t at, int64_t i0, int64_t count, int64_t next) {
-        const float* k = kh + at;
+        const T* k = kh + at;
         float* s = scores.data() + i0;
         int64_t i = 0;
         for (; i + 4 <= count; i += 4) {
@@ -320,13 +354,13 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
         const float* sg = scores.data() + g * n;
         float* ag = acc.data() + g * dim;
         runs([&](int64_t at, int64_t i0, int64_t count, int64_t next) {
-          const float* v = vh + at;
+          const T* v = vh + at;
           if (g == 0 && next >= 0)
             for (int64_t b = 0; b < count * dim; b += 16) __builtin_prefetch(vh + next + b);
           for (int64_t d = 0; d < dim8; d += 64)
             weighted_values_any(std::min<int64_t>(8, (dim8 - d) / 8), sg + i0, v + d, count, dim, ag + d);
           for (int64_t d = dim8; d < dim; ++d)
-            for (int64_t i = 0; i < count; ++i) ag[d] += sg[i0 + i] * v[i * dim + d];
+            for (int64_t i = 0; i < count; ++i) ag[d] += sg[i0 + i] * to_float(v[i * dim + d]);
         });
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -355,6 +389,17 @@ constexpr std::array<int32_t, 16> fold_index() {
 // 30 layers' caches), and linears of 4-16 rows ran 5-12% faster.
 static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
+// 16 fp32 values of the cache (fp32, or bf16 widened exactly).
+static inline __m512 load512(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load512(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Elements of type T in a cache line.
+template <typename T>
+constexpr int64_t LINE = 64 / sizeof(T);
+
 template <int P>
 static inline __m512 fold(__m512 a, __m512 b) {
   static constexpr std::array<int32_t, 16> lo = fold_index<P, 0>(), hi = fold_index<P, 1>();
@@ -364,14 +409,14 @@ static inline __m512 fold(__m512 a, __m512 b) {
 
 // The dot products of HEADS query heads (one after another, `dim` a multiple of 16) with four keys, folded to four
 // lanes a key: out[g] holds head g's sums with keys 0..3, four partial lanes each.
-template <int HEADS>
-static inline void quad_scores(const float* q, int64_t dim, const float* const* k, __m512* out) {
+template <int HEADS, typename T>
+static inline void quad_scores(const float* q, int64_t dim, const T* const* k, __m512* out) {
   __m512 acc[HEADS][4];
   for (int g = 0; g < HEADS; ++g)
     for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
   for (int64_t d = 0; d < dim; d += 16) {
     __m512 kv[4];
-    for (int j = 0; j < 4; ++j) kv[j] = _mm512_loadu_ps(k[j] + d);
+    for (int j = 0; j < 4; ++j) kv[j] = load512(k[j] + d);
     for (int g = 0; g < HEADS; ++g) {
       const __m512 qv = _mm512_loadu_ps(q + g * dim + d);
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_fmadd_ps(qv, kv[j], acc[g][j]);
@@ -382,10 +427,9 @@ static inline void quad_scores(const float* q, int64_t dim, const float* const* 
 
 // Scores (times `scale`) of HEADS query heads against keys k[0 .. n16) (n16 a multiple of 16), into s[g * ld + i];
 // the rows of keys `ahead` positions on are prefetched.
-template <int HEADS>
-static inline void group_scores(const float* q, int64_t dim, const float* const* k, int64_t n16, float scale, float* s,
+template <int HEADS, typename T>
+static inline void group_scores(const float* q, int64_t dim, const T* const* k, int64_t n16, float scale, float* s,
                                 int64_t ld, int64_t ahead) {
-  const int64_t lines = dim / 16;
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < n16; i += 16) {
     // quads 0 and 1 folded before quads 2 and 3 are computed: fewer registers live, fewer spilled (64 rows at
@@ -393,7 +437,7 @@ static inline void group_scores(const float* q, int64_t dim, const float* const*
     __m512 a[HEADS], b[HEADS], first[HEADS];
     for (int quad = 0; quad < 4; ++quad) {
       for (int64_t j = i + 4 * quad + ahead; j < std::min(n16, i + 4 * quad + ahead + 4); ++j)
-        for (int64_t l = 0; l < lines; ++l) prefetch_l2(k[j] + 16 * l);
+        for (int64_t l = 0; l < dim; l += LINE<T>) prefetch_l2(k[j] + l);
       quad_scores<HEADS>(q, dim, k + i + 4 * quad, quad % 2 ? b : a);
       if (quad == 1)
         for (int g = 0; g < HEADS; ++g) first[g] = fold<4>(a[g], b[g]);
@@ -405,8 +449,8 @@ static inline void group_scores(const float* q, int64_t dim, const float* const*
 
 // out[g * dim + d0 .. + 16 NV) = sum over keys i < n of w[g * ld + i] * v[i][d0 .. + 16 NV), for HEADS heads: each
 // value row read once for all of them; the rows `ahead` keys on are prefetched.
-template <int HEADS, int NV>
-static inline void group_values(const float* w, int64_t ld, const float* const* v, int64_t n, int64_t d0, int64_t dim,
+template <int HEADS, int NV, typename T>
+static inline void group_values(const float* w, int64_t ld, const T* const* v, int64_t n, int64_t d0, int64_t dim,
                                 float* out, int64_t ahead) {
   __m512 acc[HEADS][NV];
   for (int g = 0; g < HEADS; ++g)
@@ -415,7 +459,7 @@ static inline void group_values(const float* w, int64_t ld, const float* const* 
     if (i + ahead < n)
       for (int c = 0; c < NV; ++c) prefetch_l2(v[i + ahead] + d0 + 16 * c);
     __m512 vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(v[i] + d0 + 16 * c);
+    for (int c = 0; c < NV; ++c) vv[c] = load512(v[i] + d0 + 16 * c);
     for (int g = 0; g < HEADS; ++g) {
       const __m512 p = _mm512_set1_ps(w[g * ld + i]);
       for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
@@ -425,8 +469,8 @@ static inline void group_values(const float* w, int64_t ld, const float* const* 
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + g * dim + d0 + 16 * c, acc[g][c]);
 }
 
-template <int HEADS>
-static inline void group_values_any(int64_t nv, const float* w, int64_t ld, const float* const* v, int64_t n, int64_t d0,
+template <int HEADS, typename T>
+static inline void group_values_any(int64_t nv, const float* w, int64_t ld, const T* const* v, int64_t n, int64_t d0,
                                     int64_t dim, float* out, int64_t ahead) {
   switch (nv) {
     case 4: group_values<HEADS, 4>(w, ld, v, n, d0, dim, out, ahead); break;
@@ -443,8 +487,9 @@ static inline void group_values_any(int64_t nv, const float* w, int64_t ld, cons
 // adding a vector's lanes); values likewise, each row once for all heads. Rows of keys and values some way ahead
 // are prefetched (the blocks lie anywhere in the cache, which the hardware prefetcher does not follow). Threads
 // take the tasks one by one: a batch's contexts differ in length.
+template <typename T>
 static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, int64_t heads, int64_t dim,
-                               const float* kp, const float* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
+                               const T* kp, const T* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
                                int64_t width, const int64_t* cp, float* op, double scale, int64_t window,
                                int64_t block_size, bool small, float softcap, const float* sinks) {
   // keys (value rows) prefetched ahead, two blocks at `block_size` 16: 64 rows at 300 positions, best of 20, three
@@ -455,8 +500,9 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
   std::atomic<int64_t> next{0};
   parallel(threads, 1, small, [&](int64_t, int64_t) {
-    std::vector<float> scores, acc(group * dim), total(group), zeros(dim, 0.f);
-    std::vector<const float*> krows, vrows;
+    std::vector<float> scores, acc(group * dim), total(group);
+    std::vector<T> zeros(dim, T{});  // (+0.0 in fp32 and in bf16)
+    std::vector<const T*> krows, vrows;
     for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int64_t r = task / kv_heads, h = task % kv_heads;
       const int64_t len = std::min(cp[r], width * block_size);
@@ -466,8 +512,8 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
       krows.resize(n16);
       vrows.resize(n);
       const int64_t* table = tp + r * width;
-      const float* kh = kp + h * slots * dim;
-      const float* vh = vp + h * slots * dim;
+      const T* kh = kp + h * slots * dim;
+      const T* vh = vp + h * slots * dim;
       for (int64_t pos = first, i = 0; pos < len;) {  // block by block (no division a key)
         const int64_t b = pos / block_size, off = pos - b * block_size, count = std::min(len - pos, block_size - off);
         const int64_t at = (table[b] * block_size + off) * dim;
@@ -489,7 +535,7 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
         g += take;
       }
       for (int64_t i = 0; i < std::min<int64_t>(n, AHEAD); ++i)  // the first value rows, while the weights compute
-        for (int64_t l = 0; l < dim / 16; ++l) prefetch_l2(vrows[i] + 16 * l);
+        for (int64_t l = 0; l < dim; l += LINE<T>) prefetch_l2(vrows[i] + l);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * n16;
         if (softcap > 0.f) soft_cap(sg, n, softcap);
@@ -534,11 +580,13 @@ void paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && tables.is_contiguous() && ctx.is_contiguous(),
               "paged_decode: contiguous inputs, head-major cache");
   TORCH_CHECK(q.scalar_type() == torch::kFloat && tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong,
-              "paged_decode: fp32 queries and cache, int64 tables and lengths");
+              "paged_decode: fp32 queries, int64 tables and lengths");
   const int64_t heads = q.size(1), dim = q.size(2);
-  decode_attention(q.data_ptr<float>(), heads * dim, q.size(0), heads, dim, k.data_ptr<float>(), v.data_ptr<float>(),
-                   k.size(0), k.size(1), tables.data_ptr<int64_t>(), tables.size(1), ctx.data_ptr<int64_t>(),
-                   out.data_ptr<float>(), scale, window, block_size, q.size(0) <= 2, (float)softcap, sinks_of(sinks, q));
+  with_cache(k, v, [&](const auto* kp, const auto* vp) {
+    decode_attention(q.data_ptr<float>(), heads * dim, q.size(0), heads, dim, kp, vp, k.size(0), k.size(1),
+                     tables.data_ptr<int64_t>(), tables.size(1), ctx.data_ptr<int64_t>(), out.data_ptr<float>(), scale,
+                     window, block_size, q.size(0) <= 2, (float)softcap, sinks_of(sinks, q));
+  });
 }
 
 // Weights packed in panels of 16 output features for `panel_linear`: [ceil(N / 16), K, 16], each panel
@@ -1527,8 +1575,9 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10
 // alternating processes, 744-1044 -> 639-741 us), with an online softmax. Keys past a row's position (or before
 // its window) weigh nothing; groups of 16 wholly outside are never read. `softcap` and `sinks` as in
 // `decode_attention`.
+template <typename T>
 static void prefill_attention(const float* qp, int64_t q_stride, int64_t rows_in, int64_t heads, int64_t dim,
-                              const float* kp, const float* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
+                              const T* kp, const T* vp, int64_t kv_heads, int64_t slots, const int64_t* tp,
                               int64_t width, const int64_t* cp, const int64_t* lp, const int64_t* sp, int64_t chunks,
                               float* op, double scale, int64_t window, int64_t block_size, float softcap = 0.f,
                               const float* sinks = nullptr) {
@@ -1567,11 +1616,11 @@ static void prefill_attention(const float* qp, int64_t q_stride, int64_t rows_in
         const int64_t pos = (first_group[j] + g) * KEYS + c;
         if (pos >= cp[j]) break;
         const int64_t slot = tp[j * width + pos / block_size] * block_size + pos % block_size;
-        const float* kr = kp + (h * slots + slot) * dim;
-        const float* vr = vp + (h * slots + slot) * dim;
+        const T* kr = kp + (h * slots + slot) * dim;
+        const T* vr = vp + (h * slots + slot) * dim;
         for (int64_t d = 0; d < dim; ++d) {
-          kt[d * KEYS + c] = kr[d];
-          vt[(d / PANEL) * panel_stride + c * PANEL + d % PANEL] = vr[d];
+          kt[d * KEYS + c] = to_float(kr[d]);
+          vt[(d / PANEL) * panel_stride + c * PANEL + d % PANEL] = to_float(vr[d]);
         }
       }
     }
@@ -1679,17 +1728,18 @@ void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
                    torch::Tensor qlens, torch::Tensor starts, torch::Tensor out, double scale, int64_t window,
                    int64_t block_size, double softcap, c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && tables.is_contiguous() && out.is_contiguous() &&
-              q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
-              "paged_prefill: contiguous fp32 queries and head-major cache");
+              q.scalar_type() == torch::kFloat, "paged_prefill: contiguous fp32 queries and head-major cache");
   TORCH_CHECK(tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong && qlens.scalar_type() == torch::kLong &&
               starts.scalar_type() == torch::kLong && ctx.is_contiguous() && qlens.is_contiguous() && starts.is_contiguous(),
               "paged_prefill: int64 tables, lengths and starts");
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k.size(0);
   TORCH_CHECK(heads % kv_heads == 0 && out.sizes() == q.sizes(), "paged_prefill: shapes");
-  prefill_attention(q.data_ptr<float>(), heads * dim, q.size(0), heads, dim, k.data_ptr<float>(), v.data_ptr<float>(), kv_heads,
-                    k.size(1), tables.data_ptr<int64_t>(), tables.size(1), ctx.data_ptr<int64_t>(), qlens.data_ptr<int64_t>(),
-                    starts.data_ptr<int64_t>(), tables.size(0), out.data_ptr<float>(), scale, window, block_size,
-                    (float)softcap, sinks_of(sinks, q));
+  with_cache(k, v, [&](const auto* kp, const auto* vp) {
+    prefill_attention(q.data_ptr<float>(), heads * dim, q.size(0), heads, dim, kp, vp, kv_heads, k.size(1),
+                      tables.data_ptr<int64_t>(), tables.size(1), ctx.data_ptr<int64_t>(), qlens.data_ptr<int64_t>(),
+                      starts.data_ptr<int64_t>(), tables.size(0), out.data_ptr<float>(), scale, window, block_size,
+                      (float)softcap, sinks_of(sinks, q));
+  });
 }
 
 // Rows per parallel task for elementwise kernels: enough work per task that small steps stay on one thread.
@@ -2047,13 +2097,11 @@ class FusedDecoder {
       const Layer& l = layers_[i];
       torch::Tensor& kc = keys[i];
       torch::Tensor& vc = values[i];
-      TORCH_CHECK(kc.scalar_type() == torch::kFloat && kc.dim() == 3 && kc.size(1) == kvh && kc.size(2) == d &&
-                  kc.stride(2) == 1 && kc.stride(0) == d && kc.stride(1) == kc.size(0) * d && vc.strides() == kc.strides() &&
-                  vc.sizes() == kc.sizes(), "FusedDecoder: head-major fp32 cache");
+      TORCH_CHECK(kc.dim() == 3 && kc.size(1) == kvh && kc.size(2) == d && kc.stride(2) == 1 && kc.stride(0) == d &&
+                  kc.stride(1) == kc.size(0) * d && vc.strides() == kc.strides() && vc.sizes() == kc.sizes(),
+                  "FusedDecoder: head-major cache");
       const int64_t slots_per_head = kc.size(0), g = group_of_layer[i], width = tables[g].size(1);
       const int64_t* tp = tables[g].data_ptr<int64_t>();
-      float* kp = kc.data_ptr<float>();
-      float* vp = vc.data_ptr<float>();
       if (l.norm_in) rms_rows(xp, nullptr, l.norm_in, eps_[5 * i], m, c, hn.get(), nullptr, small);
       panel_rows(l.norm_in ? hn.get() : xp, m, l.qkv, y.get(), small);
       if (l.q_norm)
@@ -2062,23 +2110,25 @@ class FusedDecoder {
         const int64_t angles = rope_of_layer_[i] * m * d;
         rotary_rows(y.get(), m, qkv_width, cos.data_ptr<float>() + angles, sin.data_ptr<float>() + angles, d, h + kvh, small);
       }
-      for (int64_t r = 0; r < m; ++r) {  // this step's keys and values into the cache
-        const float* kr = y.get() + r * qkv_width + h * d;
-        const float* vr = kr + kvh * d;
-        for (int64_t j = 0; j < kvh; ++j) {
-          std::copy(kr + j * d, kr + (j + 1) * d, kp + (j * slots_per_head + slots[g][r]) * d);
-          std::copy(vr + j * d, vr + (j + 1) * d, vp + (j * slots_per_head + slots[g][r]) * d);
+      with_cache(kc, vc, [&](auto* kp, auto* vp) {
+        for (int64_t r = 0; r < m; ++r) {  // this step's keys and values into the cache
+          const float* kr = y.get() + r * qkv_width + h * d;
+          const float* vr = kr + kvh * d;
+          for (int64_t j = 0; j < kvh; ++j) {
+            store_row(kr + j * d, d, kp + (j * slots_per_head + slots[g][r]) * d);
+            store_row(vr + j * d, d, vp + (j * slots_per_head + slots[g][r]) * d);
+          }
         }
-      }
-      const auto attention_start = std::chrono::steady_clock::now();
-      if (decodes)
-        decode_attention(y.get(), qkv_width, nd, h, d, kp, vp, kvh, slots_per_head, tp, width, cp, attn.get(), scaling_,
-                         windows_[i], block_size, small, (float)softcap_);
-      if (decodes < requests)
-        prefill_attention(y.get() + nd * qkv_width, qkv_width, m - nd, h, d, kp, vp, kvh, slots_per_head, tp + decodes * width,
-                          width, cp + decodes, qlens.data() + decodes, chunk_starts.data(), requests - decodes,
-                          attn.get() + nd * h * d, scaling_, windows_[i], block_size, (float)softcap_);
-      attention_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - attention_start).count();
+        const auto attention_start = std::chrono::steady_clock::now();
+        if (decodes)
+          decode_attention(y.get(), qkv_width, nd, h, d, kp, vp, kvh, slots_per_head, tp, width, cp, attn.get(), scaling_,
+                           windows_[i], block_size, small, (float)softcap_);
+        if (decodes < requests)
+          prefill_attention(y.get() + nd * qkv_width, qkv_width, m - nd, h, d, kp, vp, kvh, slots_per_head,
+                            tp + decodes * width, width, cp + decodes, qlens.data() + decodes, chunk_starts.data(),
+                            requests - decodes, attn.get() + nd * h * d, scaling_, windows_[i], block_size, (float)softcap_);
+        attention_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - attention_start).count();
+      });
       panel_rows(attn.get(), m, l.o, o.get(), small);
       if (l.norm_attn_out) rms_rows(o.get(), nullptr, l.norm_attn_out, eps_[5 * i + 3], m, c, o.get(), nullptr, small);
       if (residual_scale_ != 1.0) scale_rows(o.get(), m * c, (float)residual_scale_);

@@ -114,8 +114,9 @@ class _TorchStep:
         kc, vc = self.keys[layer], self.values[layer]
         # [1, KVH, T, D] -> [T, KVH, D] is a view of transformers' own layout, so this copy is contiguous.
         k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)
-        kc.index_copy_(0, self.write_slots[g], k_new)
-        vc.index_copy_(0, self.write_slots[g], v_new)
+        # (a cache of another dtype, `EngineConfig.kv_cache_dtype`, holds them rounded: to nearest even)
+        kc.index_copy_(0, self.write_slots[g], k_new.to(kc.dtype))
+        vc.index_copy_(0, self.write_slots[g], v_new.to(vc.dtype))
         q = query[0]  # [H, T, D]
         if not self.np:  # decode rows only
             return self._decode(g, kc, vc, q, scaling, sliding_window, softcap, sinks).unsqueeze(0)

@@ -82,15 +82,36 @@ def test_soft_capping_and_sinks_match_dense(backend, softcap, sinks, window, dim
                         softcap=softcap, sinks=sink_logits)
 
 
-def check_against_dense(backend, block_size, heads, kv_heads, window, dim, shapes, softcap=None, sinks=None):
-    # Fresh random inputs each run: the seed is not fixed.
-    cache = CacheManager(1, kv_heads, dim, block_size, 64, torch.float32, torch.device("cpu"))
+@pytest.mark.parametrize("dim", [8, 36, 64])
+@pytest.mark.parametrize("window", [None, 5])
+def test_cpu_kernels_over_a_bf16_cache(dim, window):
+    """A bf16 cache (`EngineConfig.kv_cache_dtype`) under fp32 queries: decode rows and prefill chunks (head sizes of
+    the 8-wide, odd and 16-wide paths) match dense attention over the keys and values rounded as the cache holds
+    them, and equal the kernels over an fp32 cache of those rounded values bit for bit (each element widened
+    exactly, then the same sums)."""
+    shapes = [(5, 1), (17, 1), (0, 1), (40, 1), (0, 9), (6, 3), (13, 21), (30, 40)]
+    torch.manual_seed(dim)
+    narrow = check_against_dense(cpu_backend, 4, 6, 2, window, dim, shapes, cache_dtype=torch.bfloat16)
+    torch.manual_seed(dim)
+    wide = check_against_dense(cpu_backend, 4, 6, 2, window, dim, shapes, round_to=torch.bfloat16)
+    assert torch.equal(narrow, wide)
+
+
+def check_against_dense(backend, block_size, heads, kv_heads, window, dim, shapes, softcap=None, sinks=None,
+                        cache_dtype=torch.float32, round_to=None):
+    """The step's output; `cache_dtype`: the cache's (given fp32 keys and values, which it rounds as it stores them);
+    `round_to`: the keys and values given already rounded to it (both: dense attention over the rounded ones)."""
+    # Fresh random inputs each run unless the caller seeds them.
+    cache = CacheManager(1, kv_heads, dim, block_size, 64, cache_dtype, torch.device("cpu"))
     for store in cache.keys + cache.values:  # poison every slot no request writes
         store[: 64 * block_size] = float("nan")
     attention = backend()
     zeroed = getattr(attention, "reads_unwritten_slots", True)  # else the poison stays: such a backend never reads it
-    full_k = [torch.randn(kv_heads, c + n, dim) for c, n in shapes]
-    full_v = [torch.randn(kv_heads, c + n, dim) for c, n in shapes]
+    rounding = round_to or (cache_dtype if cache_dtype != torch.float32 else None)
+    held = (lambda t: t.to(rounding).float()) if rounding else (lambda t: t)  # what the cache holds
+    given = held if round_to else (lambda t: t)
+    full_k = [given(torch.randn(kv_heads, c + n, dim)) for c, n in shapes]
+    full_v = [given(torch.randn(kv_heads, c + n, dim)) for c, n in shapes]
     for i, (c, n) in enumerate(shapes):
         assert cache.reserve(str(i), c + n)
         blocks = cache.take_new_blocks()
@@ -98,8 +119,8 @@ def check_against_dense(backend, block_size, heads, kv_heads, window, dim, shape
             cache.zero_blocks(blocks)  # as a step's forward does before anything writes them
         if c:  # earlier steps wrote the cached part
             slots = torch.tensor([cache.block_table(str(i), 0)[p // block_size] * block_size + p % block_size for p in range(c)])
-            cache.keys[0][slots] = full_k[i][:, :c].transpose(0, 1)
-            cache.values[0][slots] = full_v[i][:, :c].transpose(0, 1)
+            cache.keys[0][slots] = full_k[i][:, :c].transpose(0, 1).to(cache_dtype)
+            cache.values[0][slots] = full_v[i][:, :c].transpose(0, 1).to(cache_dtype)
     tables = [cache.block_table(str(i), 0) for i in range(len(shapes))]
     width = max(map(len, tables))
     decodes = next(i for i, (_, n) in enumerate(shapes) if n > 1)  # the rows of one new token come first
@@ -117,6 +138,7 @@ def check_against_dense(backend, block_size, heads, kv_heads, window, dim, shape
     assert out.shape == (1, step.positions.numel(), heads, dim)
     row = 0
     for i, (c, n) in enumerate(shapes):
-        want = dense(q[0, :, row : row + n], full_k[i], full_v[i], torch.arange(c, c + n), window, softcap, sinks)
+        want = dense(q[0, :, row : row + n], held(full_k[i]), held(full_v[i]), torch.arange(c, c + n), window, softcap, sinks)
         torch.testing.assert_close(out[0, row : row + n].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
         row += n
+    return out

@@ -55,6 +55,18 @@ def test_the_attainable_bound_is_each_steps_compute_or_its_reads():
     assert attainable_seconds(model, [one, many], 1.0, 1.0, None) == pytest.approx(
         max(reads, attainable_seconds(model, [one], 1.0, 1e9, None)) + max(flop / 1e9, weight_bytes(model) / 1e9))
     assert attainable_seconds(model, [one], 1e9, 1.0, "int8") < reads  # a quarter of the weights' bytes
+    # a bf16 cache: half the KV bytes
+    assert attainable_seconds(model, [one], 1e9, 1.0, None, 2) == pytest.approx((weight_bytes(model) + 50 * kv) / 1e9)
+
+
+def test_bench_runs_jitney_over_a_bf16_cache(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "bench.json"
+    assert cli(["bench", "--model", str(tmp_path / "tiny"), "--workload", "long-prompt", "--max-batch-tokens", "48",
+                "--modes", "jitney,jitney-kvbf16", "--json", str(out)]) == 0
+    plain, bf16 = json.loads(out.read_text())["rows"]
+    assert bf16["mode"] == "jitney-kvbf16" and bf16["output_tok_s"] > 0 and bf16["attainable_share"] > 0
+    assert 0 <= bf16["same_tokens_as_first"] <= 1
 
 
 def test_bench_gives_one_stream_its_share_of_the_weight_read_limit(tmp_path):
