@@ -133,3 +133,15 @@ def test_quality_scores_a_bf16_cache(tmp_path, capsys):
     assert abs(rows[1]["perplexity_vs_first"]) < 0.02 and rows[1]["top1_same_as_first"] > 0.9
     assert cli(["quality", "--weights", "fp32+kv8"]) == 2
     assert "unknown 'fp32+kv8'" in capsys.readouterr().err
+
+
+def test_smollm2_answers_over_a_bf16_cache(smollm2):
+    """The embedded model passes the start-up check over a bf16 cache (its reference rounds keys and values too)
+    and answers as over an fp32 one."""
+    from jitney import LLM
+
+    model, tokenizer = smollm2
+    prompt = "The capital of France is"
+    plain, rounded = (LLM(model, EngineConfig(num_blocks=64, kv_cache_dtype=kv), tokenizer=tokenizer)
+                      .generate(prompt, SamplingParams(max_new_tokens=8), progress=False)[0] for kv in (None, "bf16"))
+    assert "Paris" in rounded.text and rounded.token_ids[:4] == plain.token_ids[:4]
