@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="jitney's EngineConfig.speculative_tokens (default: the engine's; jitney-nospec: 0)")
     parser.add_argument("--async-batching", action="store_true",
                         help="jitney launches each decode step before handing out the previous one's tokens")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["bf16"],
+                        help="every jitney mode's EngineConfig.kv_cache_dtype (e.g. with jitney-int8: int8 weights over a "
+                             "bf16 cache); jitney-kvbf16 is jitney with bf16")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--chunk-context-cost", type=float, default=None,
                         help="jitney's EngineConfig.chunk_context_cost (default: the model's; 0: a chunk counts its tokens only)")
@@ -181,7 +184,8 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
                   cpu_offload_space=args.cpu_offload_space, safety_margin=args.safety_margin,
                   scheduler=getattr(args, "scheduler", "fifo"),
                   attention_backend=attention or args.attention,
-                  chunk_context_cost=getattr(args, "chunk_context_cost", None))
+                  chunk_context_cost=getattr(args, "chunk_context_cost", None),
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", None))
     if getattr(args, "async_batching", False):
         fields["use_async_batching"] = True
     if getattr(args, "speculative_tokens", None) is not None:
