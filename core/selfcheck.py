@@ -122,8 +122,9 @@ def check(engine: Engine, reference: list[torch.Tensor], sequences: list[list[in
     tol = 5e-2 if half or engine.config.weights == "w8a8" else 1e-3
     if not half and engine.cache.keys[0].dtype != torch.float32:
         # a bf16 cache under an fp32 model: the reference rounds its keys and values too, but a key computed by
-        # other kernels may round to the next bf16 value (SmolLM2: 1.1e-3 of the logits' scale)
-        tol = max(tol, 1e-2)
+        # other kernels may round to the next bf16 value. SmolLM2, the largest of the probes' differences over
+        # the logits' scale: 1.5e-3 (int8 weights: 3.1e-3); with w8a8, 5.8e-2 (4.2e-2 over an fp32 cache)
+        tol = 1e-1 if engine.config.weights == "w8a8" else max(tol, 1e-2)
     for i, (mine, ref) in enumerate(zip(served, reference)):
         if mine is None:
             continue

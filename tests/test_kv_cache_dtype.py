@@ -136,8 +136,8 @@ def test_quality_scores_a_bf16_cache(tmp_path, capsys):
 
 
 def test_smollm2_answers_over_a_bf16_cache(smollm2):
-    """The embedded model passes the start-up check over a bf16 cache (its reference rounds keys and values too)
-    and answers as over an fp32 one."""
+    """The embedded model passes the start-up check over a bf16 cache (its reference rounds keys and values too),
+    with fp32 and with w8a8 weights, and answers as over an fp32 one."""
     from jitney import LLM
 
     model, tokenizer = smollm2
@@ -145,3 +145,6 @@ def test_smollm2_answers_over_a_bf16_cache(smollm2):
     plain, rounded = (LLM(model, EngineConfig(num_blocks=64, kv_cache_dtype=kv), tokenizer=tokenizer)
                       .generate(prompt, SamplingParams(max_new_tokens=8), progress=False)[0] for kv in (None, "bf16"))
     assert "Paris" in rounded.text and rounded.token_ids[:4] == plain.token_ids[:4]
+    # with int8 weights and activations too (the check's tolerance for both: the two roundings add up)
+    w8a8 = LLM(model, EngineConfig(num_blocks=64, kv_cache_dtype="bf16", weights="w8a8"), tokenizer=tokenizer)
+    assert "Paris" in w8a8.generate(prompt, SamplingParams(max_new_tokens=8), progress=False)[0].text
