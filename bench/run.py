@@ -147,8 +147,8 @@ def attainable_seconds(model, shapes: list[list[float]], gflops: float, gbps: fl
     at the matmul peak `gflops`, and at least its reads at the memory read rate `gbps`: every weight once (the
     packed copy's bytes: `weights` "int8" / "w8a8" a quarter of fp32's, "bf16" half; a speculative step's
     draft passes an int8 copy each) and the KV blocks its decode rows read (distinct ones once; `kv_itemsize`
-    bytes an element: 2 for a bf16 cache). Summed over
-    steps, the longer of the two each: compute and memory overlapped perfectly, nothing else counted."""
+    bytes an element: 2 for a bf16 cache). Summed over steps, the longer of the two each: compute and memory
+    overlapped perfectly, nothing else counted."""
     from jitney.bench.profile import FEATURES
 
     mc = model.config.get_text_config()

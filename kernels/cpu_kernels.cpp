@@ -180,13 +180,14 @@ static inline float to_float(uint16_t x) {
 }
 
 // n fp32 values into the cache: as they are, or rounded to bf16 to nearest even, as torch rounds them (so that a
-// step written here and one written by torch's `index_copy_` leave the same bits).
+// step written here and one written by torch's `index_copy_` leave the same bits; a NaN, told by its bits since
+// fast-math drops `isnan`, stays a NaN).
 static inline void store_row(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
 static inline void store_row(const float* src, int64_t n, uint16_t* dst) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t w;
     std::memcpy(&w, src + i, sizeof w);
-    dst[i] = std::isnan(src[i]) ? (uint16_t)0x7fc0 : (uint16_t)((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+    dst[i] = (w & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
   }
 }
 

@@ -13,9 +13,9 @@ from jitney.kernels.torch_paged import TorchPagedAttention, _TorchStep
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """fp32 attention reading the cache (fp32 or bf16) in place; the K/V writes as `TorchPagedAttention`. Its kernels read
-    only the positions of each request's context, so new blocks need no zeroing (which took ~3% of the forward
-    thread's time on mixed-64)."""
+    """fp32 attention reading the cache (fp32 or bf16) in place; the K/V writes as `TorchPagedAttention`. Its
+    kernels read only the positions of each request's context, so new blocks need no zeroing (which took ~3% of
+    the forward thread's time on mixed-64)."""
 
     reads_unwritten_slots = False
     # fp32 queries over bf16 K/V (`EngineConfig.kv_cache_dtype`), widened exactly as they are read

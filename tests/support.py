@@ -56,6 +56,25 @@ def reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+async def engine_tokens(model, work, **config) -> list[list[int]]:
+    """Greedy tokens of `work` ((prompt, new tokens) pairs, all submitted at once, EOS ignored) through one engine;
+    `config`: `EngineConfig` fields (blocks of 4 and 16 tokens a step unless given)."""
+    import anyio
+
+    from jitney import Engine, EngineConfig, Request, SamplingParams
+
+    out: dict[int, list[int]] = {}
+    async with Engine(model, config=EngineConfig(**{"max_batch_tokens": 16, "block_size": 4, **config})) as engine:
+        async def one(i: int) -> None:
+            prompt, n = work[i]
+            out[i] = (await engine.generate(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)))).token_ids
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(work)):
+                tg.start_soon(one, i)
+    return [out[i] for i in range(len(work))]
+
+
 def random_requests(n: int, vocab: int, max_prompt: int = 60, max_new: int = 24, seed: int = 0):
     rng = random.Random(seed)
     return [([rng.randrange(3, vocab) for _ in range(rng.randint(1, max_prompt))], rng.randint(1, max_new)) for _ in range(n)]

@@ -6,11 +6,10 @@ too): its linears match torch's rounding of weights and inputs, and it is determ
 
 from __future__ import annotations
 
-import anyio
 import pytest
 import torch
 import transformers as T
-from support import random_requests, reference, scaled_tiny
+from support import engine_tokens, random_requests, reference, scaled_tiny
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
 from jitney.kernels import cpu_linear, native
@@ -27,17 +26,7 @@ MODELS = {  # (scaled: the rounding of the weights changes tokens, so the test t
 
 async def run(model, work, **config) -> list[list[int]]:
     """Greedy tokens of `work` through an int8 engine (`config` overrides)."""
-    out: dict[int, list[int]] = {}
-    config = {"weights": "int8", "max_batch_tokens": 16, "block_size": 4, **config}
-    async with Engine(model, config=EngineConfig(**config)) as engine:
-        async def one(i: int) -> None:
-            prompt, n = work[i]
-            out[i] = (await engine.generate(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)))).token_ids
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(work)):
-                tg.start_soon(one, i)
-    return [out[i] for i in range(len(work))]
+    return await engine_tokens(model, work, **{"weights": "int8", **config})
 
 
 @pytest.mark.parametrize("weights", ["int8", "w8a8", "bf16"])

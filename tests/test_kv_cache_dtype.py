@@ -5,11 +5,10 @@ and offload; half the cache's bytes; refused where the attention backend cannot 
 
 from __future__ import annotations
 
-import anyio
 import pytest
 import torch
 import transformers as T
-from support import random_requests, reference, scaled_tiny, tiny_llama
+from support import engine_tokens, random_requests, reference, scaled_tiny, tiny_llama
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
 from jitney.kernels import native
@@ -30,19 +29,7 @@ MODELS = {  # (scaled: rounding the keys and values changes tokens, so the test 
 
 async def run(model, work, **config) -> list[list[int]]:
     """Greedy tokens of `work` through a bf16-cache engine (`config` overrides)."""
-    out: dict[int, list[int]] = {}
-    config = {"kv_cache_dtype": "bf16", "max_batch_tokens": 16, "block_size": 4, **config}
-    async with Engine(model, config=EngineConfig(**config)) as engine:
-        assert engine.cache.keys[0].dtype == (torch.bfloat16 if config["kv_cache_dtype"] else torch.float32)
-
-        async def one(i: int) -> None:
-            prompt, n = work[i]
-            out[i] = (await engine.generate(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)))).token_ids
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(work)):
-                tg.start_soon(one, i)
-    return [out[i] for i in range(len(work))]
+    return await engine_tokens(model, work, **{"kv_cache_dtype": "bf16", **config})
 
 
 @pytest.mark.parametrize("fuse", [None, False], ids=["default", "not fused"])
