@@ -203,12 +203,16 @@ class StepExecutor:
         return result
 
     def _forward(self, p: PreparedStep, started: Callable[[], None], result: list[list[int] | None]) -> None:
-        logits, argmax = self.logits(p, started)
-        if not p.sampled_entries:
-            return
-        if len(p.params) > len(p.sampled_entries):  # forking rows draw several tokens from one row
-            logits = logits.repeat_interleave(torch.tensor(p.samples_per_entry, device=logits.device), dim=0)
-        tokens, errors = sample(logits, p.params, p.generators, argmax)
+        if (self.decoder is not None and p.static is None and p.sampled_entries and len(p.params) == len(p.sampled_entries)
+                and all(s.greedy for s in p.params)):
+            tokens, errors = self._decoded(p, started, greedy=True).tolist(), {}  # (no logits: the head's screen)
+        else:
+            logits, argmax = self.logits(p, started)
+            if not p.sampled_entries:
+                return
+            if len(p.params) > len(p.sampled_entries):  # forking rows draw several tokens from one row
+                logits = logits.repeat_interleave(torch.tensor(p.samples_per_entry, device=logits.device), dim=0)
+            tokens, errors = sample(logits, p.params, p.generators, argmax)
         start = 0
         for i, count in zip(p.sampled_entries, p.samples_per_entry):
             result[i] = tokens[start : start + count]
@@ -225,19 +229,21 @@ class StepExecutor:
             started()
             return self.static.forward(p.static), None
         if self.decoder is not None:
-            if p.step.num_decodes == len(p.step.query_lens):
-                logits = self.decoder(p.input_ids, p.positions, p.step, started)
-            else:
-                # (no LM head at all for a step that samples nothing: chunks of prompts that go on)
-                keep = p.keep.tolist() if p.sampled_entries else []
-                logits = self.decoder.step(p.input_ids, p.positions, p.step, keep, started)
-            return logits, self.decoder.argmax
+            return self._decoded(p, started), self.decoder.argmax
         started()
         logits = self.model(
             input_ids=p.input_ids, position_ids=p.positions[None], use_cache=False, logits_to_keep=p.keep,
             **{STEP_KWARG: self.backend.prepare(p.step)},
         ).logits[0]
         return logits, None
+
+    def _decoded(self, p: PreparedStep, started: Callable[[], None], greedy: bool = False) -> torch.Tensor:
+        """The one-call decoder's logits at the step's sampled rows, or with `greedy` their greedy tokens."""
+        if p.step.num_decodes == len(p.step.query_lens):
+            return self.decoder(p.input_ids, p.positions, p.step, started, greedy)
+        # (no LM head at all for a step that samples nothing: chunks of prompts that go on)
+        keep = p.keep.tolist() if p.sampled_entries else []
+        return self.decoder.step(p.input_ids, p.positions, p.step, keep, started, greedy)
 
 
 class ForwardThread:

@@ -1273,12 +1273,19 @@ static inline void a8_tile_rows(int64_t rows, const uint8_t* q, const float* s, 
 // y = x @ w.T (+ b) over `pack_panels_w8a8` weights, x's rows rounded to int8 first (`quantize_rows`). Threads
 // split the panels in groups of four; rows go through in tiles of up to three. Without AVX-512 VNNI, the same
 // sums in scalar code (correct, slow).
+static void a8_rows_rounded(const uint8_t* q, const float* s, int64_t m, const Panels& w, float* yp, bool small);
+
 static void a8_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small) {
+  std::vector<uint8_t> q(m * w.k);
+  std::vector<float> s(m * (w.k / A8_BLOCK));
+  quantize_rows(xp, m, w.k, q.data(), s.data(), small);
+  a8_rows_rounded(q.data(), s.data(), m, w, yp, small);
+}
+
+// `a8_rows` over rows already rounded (`quantize_rows`: q, s).
+static void a8_rows_rounded(const uint8_t* q, const float* s, int64_t m, const Panels& w, float* yp, bool small) {
   const int64_t k = w.k, n = w.n, width = w8a8_width(k), blocks = k / A8_BLOCK;
   const int64_t panels = (n + PANEL - 1) / PANEL;
-  std::vector<uint8_t> q(m * k);
-  std::vector<float> s(m * blocks);
-  quantize_rows(xp, m, k, q.data(), s.data(), small);
 #ifdef __AVX512VNNI__
   constexpr int TILE = 3, NP = 4;  // (rows x panels a tile; at 256 rows of SmolLM2 3 x 4 75 ms, 6 x 2 79, 8 x 1 84)
   parallel((panels + NP - 1) / NP, 1, small, [&](int64_t begin, int64_t end) {
@@ -1289,10 +1296,10 @@ static void a8_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool
       for (int64_t r = 0; r < m; r += TILE) {
         const int64_t rows = std::min<int64_t>(TILE, m - r);
         if (p + NP <= panels) {
-          a8_tile_rows<TILE, NP>(rows, q.data() + r * k, s.data() + r * blocks, k, panel, width, yp + r * n + j, n, n - j, b);
+          a8_tile_rows<TILE, NP>(rows, q + r * k, s + r * blocks, k, panel, width, yp + r * n + j, n, n - j, b);
         } else {
           for (int64_t i = p; i < panels; ++i)
-            a8_tile_rows<TILE, 1>(rows, q.data() + r * k, s.data() + r * blocks, k, w.a8 + i * width, width,
+            a8_tile_rows<TILE, 1>(rows, q + r * k, s + r * blocks, k, w.a8 + i * width, width,
                                   yp + r * n + i * PANEL, n, n - i * PANEL, w.bias ? w.bias + i * PANEL : nullptr);
         }
       }
@@ -1996,6 +2003,256 @@ std::vector<int64_t> argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// Greedy tokens through an fp32 LM head without computing every logit in fp32: the logits
+// first through an int8 copy of the head over int8 rows (`a8_rows`, a quarter of the bytes, `vpdpbusd`'s
+// products), each with a bound on its distance from the fp32 logit that `panel_rows` computes; then fp32 logits
+// only for the features whose bounds reach the best lower bound, the same sums in the same order as
+// `panel_rows` (lane-wise over the inputs in order: `panel_tile`), the largest at the smallest index winning as
+// in `argmax_row`. The tokens are `argmax_row` of `panel_rows`'s logits, exactly: a feature outside the
+// candidates has an fp32 logit below another's. The bound of feature j for row x, with s_j its weights'
+// scale, q_j their int8 values, x~ the row rounded (blocks b of 32 inputs on scales t_b):
+//   |x.W_j - x~.(s_j q_j)| <= s_j (|x|_1 + sum_b t_b |q_j in b|_1) / 2   (each rounding at most half a step),
+// plus float rounding: the int8 path's fp32 sums of its blocks and the fp32 path's sum of K products, each
+// at most (terms) x 2^-24 x the sum of their magnitudes (<= 127 s_j |x|_1). All of it is widened by 1% and by
+// 2^-20 of the row's largest logit, which the float arithmetic of the bounds themselves stays well within.
+// The sum over blocks is computed only for the features that a coarser bound keeps (the three blocks of the
+// largest t_b at their own, the others at the next largest). Rows with a non-finite input, or with more than
+// `SCREEN_MOST` candidates (a flat row, as from random weights), take every logit (`panel_rows`); where most
+// rows of a decoder's latest 128 did, its next 512 greedy steps do without the screen. SmolLM2 over mixed-64:
+// ~220 features a row past the coarse bounds, ~46 past the finer ones, none taking every logit; its LM head
+// 1.34 -> ~1.0 s of the run (the int8 pass 0.6-0.7 of it), one stream without speculation 69-70 -> 81-87 tok/s.
+struct HeadScreen {
+  Panels approx;  // the head's weights as `pack_panels_w8a8` packs them (no bias)
+  const float* scale = nullptr;  // [V] s_j
+  const float* spread = nullptr;  // [V] s_j |q_j|_1
+  const float* blocks = nullptr;  // [K / 32, V] s_j |q_j in b|_1
+  const float* feature_blocks = nullptr;  // [V, K / 32] the same, a feature's together
+  float largest = 0.f;  // the largest s_j
+  const float* rows = nullptr;  // [V, K] the head's fp32 weights, one feature a row (the model's own)
+};
+
+static constexpr int64_t SCREEN_MOST = 512;
+
+static inline bool finite_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return (bits & 0x7fffffffu) < 0x7f800000u;
+}
+
+// fp32 logits of row x for features idx[0 .. count) (count <= 16) from the head's weights row by row (`rows`
+// [V, K]), into out: the same sums in the same order as `panel_rows` over its panels (lane by lane, the
+// inputs in order, `acc += x * w` as `panel_tile16` writes it), each feature's row read once (its panel
+// would be 16 rows' worth of lines).
+static inline void head_logits(const float* x, int64_t k, const float* rows, const int32_t* idx, int64_t count, float* out) {
+#ifdef __AVX512F__
+  alignas(64) int32_t at[16];
+  for (int64_t i = 0; i < 16; ++i) at[i] = (int32_t)(idx[i < count ? i : 0] * k);  // (the rest repeat the first)
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t c = 0; c < k; c += 16) _mm_prefetch(reinterpret_cast<const char*>(rows + idx[i] * k + c), _MM_HINT_T0);
+  const __m512i offsets = _mm512_load_si512(at);
+  v16 acc{};
+  for (int64_t c = 0; c < k; ++c) {
+    const v16 w = (v16)_mm512_i32gather_ps(offsets, rows + c, 4);
+    acc += x[c] * w;
+  }
+  for (int64_t i = 0; i < count; ++i) out[i] = acc[i];
+#else
+  for (int64_t i = 0; i < count; ++i) {
+    v8 acc{};  // (lane 0 of `panel_tile`'s chains: the same expression)
+    for (int64_t c = 0; c < k; ++c) acc += x[c] * (v8{} + rows[idx[i] * k + c]);
+    out[i] = acc[0];
+  }
+#endif
+}
+
+// A row's token by the screen (see `HeadScreen`), or -1 where the row must take every logit.
+static int64_t screened_row(const float* x, const uint8_t* q, const float* t, const float* a, const Panels& head,
+                            const HeadScreen& sc, std::vector<float>& coarse, std::vector<int32_t>& first,
+                            std::vector<float>& fine, std::vector<int32_t>& kept) {
+  const int64_t k = head.k, n = head.n, nb = k / A8_BLOCK;
+  float l1 = 0.f, l1q = 0.f;
+  bool finite = true;
+  for (int64_t c = 0; c < k; ++c) {
+    finite &= finite_bits(x[c]);
+    l1 += std::abs(x[c]);
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t sum = 0;
+    for (int64_t c = b * A8_BLOCK; c < (b + 1) * A8_BLOCK; ++c) sum += std::abs(int32_t(q[c]) - 128);
+    l1q += t[b] * (float)sum;
+    finite &= t[b] == 0.f || t[b] >= 1e-30f;  // (a subnormal scale's inverse overflows: not rounded to half a step)
+  }
+  // (a row whose logits could overflow: every logit; |x.W_j| <= |x|_1 127 s_j)
+  if (!finite || !(l1 * 127.f * sc.largest < 1e37f)) return -1;
+  const float u = 0x1p-24f, half = 1.01f * 0.5f;
+  const float c1 = 1.01f * (0.5f * l1 + 1.02f * u * 127.f * ((float)(nb + 1) * l1q + (float)k * l1));
+  // the coarse bounds: s_j c1 + (t_b s_j |q_j in b|_1 for the E blocks of the largest scales t_b, and the next
+  // largest scale times the rest of s_j |q_j|_1) / 2, each into `coarse`; the best lower bound, the row's scale
+  constexpr int64_t E = 3;
+  int64_t order[E], taken = std::min<int64_t>(E, nb);
+  float rest = 0.f, h[E];
+  {
+    std::vector<int64_t> all(nb);
+    std::iota(all.begin(), all.end(), 0);
+    std::partial_sort(all.begin(), all.begin() + taken, all.end(), [&](int64_t x, int64_t y) { return t[x] > t[y]; });
+    for (int64_t e = 0; e < taken; ++e) order[e] = all[e], h[e] = half * t[all[e]];
+    for (int64_t b = taken; b < nb; ++b) rest = std::max(rest, t[all[b]]);
+  }
+  const float hr = half * rest;
+  const float* in[E];
+  for (int64_t e = 0; e < taken; ++e) in[e] = sc.blocks + order[e] * n;
+  coarse.resize(n);
+  float* cb = coarse.data();
+  float low = -INFINITY, big = 0.f;
+  int64_t j0 = 0;
+#ifdef __AVX512F__
+  {
+    const __m512 v1 = _mm512_set1_ps(c1), wr = _mm512_set1_ps(hr), sign = _mm512_set1_ps(-0.f), zero = _mm512_setzero_ps();
+    __m512 lows = _mm512_set1_ps(-INFINITY), bigs = zero;
+    for (; j0 + 16 <= n; j0 += 16) {
+      __m512 bound = _mm512_mul_ps(_mm512_loadu_ps(sc.scale + j0), v1), those = zero;
+      for (int64_t e = 0; e < taken; ++e) {
+        const __m512 v = _mm512_loadu_ps(in[e] + j0);
+        bound = _mm512_fmadd_ps(_mm512_set1_ps(h[e]), v, bound);
+        those = _mm512_add_ps(those, v);
+      }
+      bound = _mm512_fmadd_ps(wr, _mm512_max_ps(zero, _mm512_sub_ps(_mm512_loadu_ps(sc.spread + j0), those)), bound);
+      _mm512_storeu_ps(cb + j0, bound);
+      const __m512 av = _mm512_loadu_ps(a + j0);
+      lows = _mm512_max_ps(lows, _mm512_sub_ps(av, bound));
+      bigs = _mm512_max_ps(bigs, _mm512_add_ps(_mm512_andnot_ps(sign, av), bound));
+    }
+    low = _mm512_reduce_max_ps(lows);
+    big = _mm512_reduce_max_ps(bigs);
+  }
+#endif
+  for (int64_t j = j0; j < n; ++j) {
+    float bound = sc.scale[j] * c1, those = 0.f;
+    for (int64_t e = 0; e < taken; ++e) bound += h[e] * in[e][j], those += in[e][j];
+    cb[j] = bound += hr * std::max(0.f, sc.spread[j] - those);
+    low = std::max(low, a[j] - bound);
+    big = std::max(big, std::abs(a[j]) + bound);
+  }
+  const float slack = big * 0x1p-20f;
+  low -= slack;
+  first.clear();
+  j0 = 0;
+#ifdef __AVX512F__
+  const __m512 lowv = _mm512_set1_ps(low);
+  for (; j0 + 16 <= n; j0 += 16)
+    for (uint32_t mask = _mm512_cmp_ps_mask(_mm512_add_ps(_mm512_loadu_ps(a + j0), _mm512_loadu_ps(cb + j0)), lowv, _CMP_GE_OQ);
+         mask; mask &= mask - 1)
+      first.push_back((int32_t)(j0 + __builtin_ctz(mask)));
+#endif
+  for (int64_t j = j0; j < n; ++j)
+    if (a[j] + cb[j] >= low) first.push_back((int32_t)j);
+  if ((int64_t)first.size() > 8 * SCREEN_MOST) return -1;  // (a flat row: the finer bounds would not pay)
+  // the finer bounds of those: each block at its own scale
+  float fine_low = -INFINITY;
+  fine.resize(first.size());
+  for (size_t i = 0; i < first.size(); ++i) {
+    float sum = 0.f;
+    const float* sb = sc.feature_blocks + first[i] * nb;
+    for (int64_t b = 0; b < nb; ++b) sum += t[b] * sb[b];
+    fine[i] = sc.scale[first[i]] * c1 + half * sum;
+    fine_low = std::max(fine_low, a[first[i]] - fine[i]);
+  }
+  fine_low -= slack;
+  kept.clear();
+  for (size_t i = 0; i < first.size(); ++i)
+    if (a[first[i]] + fine[i] >= fine_low) kept.push_back(first[i]);
+  if (kept.empty() || (int64_t)kept.size() > SCREEN_MOST) return -1;
+  int64_t best = -1;
+  float top = 0.f, logits[16];
+  for (size_t i = 0; i < kept.size(); i += 16) {
+    const int64_t count = std::min<int64_t>(16, kept.size() - i);
+    head_logits(x, k, sc.rows, kept.data() + i, count, logits);
+    for (int64_t l = 0; l < count; ++l)
+      if (best < 0 || logits[l] > top) top = logits[l], best = kept[i + l];  // (ascending: the smallest index keeps a tie)
+  }
+  return best;
+}
+
+// The greedy token of each row of x [M, K] through `head` (fp32 panels, no bias): `argmax_row` of
+// `panel_rows`'s logits, by the screen (`HeadScreen`).
+static std::vector<int64_t> screened_argmax(const float* x, int64_t m, const Panels& head, const HeadScreen& sc, bool small,
+                                            int64_t* missed = nullptr) {
+  const int64_t k = head.k, n = head.n, nb = k / A8_BLOCK;
+  std::vector<uint8_t> q(m * k);
+  std::vector<float> t(m * nb);
+  // the int8 logits: kept from call to call on the thread (a fresh 6.7 MB for 34 rows of SmolLM2's, zeroed, was
+  // ~0.7 ms of the head's 3)
+  thread_local std::unique_ptr<float[]> kept;
+  thread_local int64_t capacity = 0;
+  if (capacity < m * n) kept.reset(new float[capacity = m * n]);
+  float* a = kept.get();
+  quantize_rows(x, m, k, q.data(), t.data(), small);
+  a8_rows_rounded(q.data(), t.data(), m, sc.approx, a, small);
+  std::vector<int64_t> out(m, -1);
+  parallel(m, 1, small, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> first, kept;
+    std::vector<float> coarse, fine;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * k;
+      const uint8_t* qr = q.data() + r * k;
+      const float* tr = t.data() + r * nb;
+      const float* ar = a + r * n;
+      out[r] = screened_row(xr, qr, tr, ar, head, sc, coarse, first, fine, kept);
+    }
+  });
+  std::vector<int64_t> rest;  // rows that take every logit
+  for (int64_t r = 0; r < m; ++r)
+    if (out[r] < 0) rest.push_back(r);
+  if (missed) *missed = rest.size();
+  if (!rest.empty()) {
+    const int64_t count = rest.size();
+    std::vector<float> rows(count * k), logits(count * n);
+    for (int64_t i = 0; i < count; ++i) std::copy(x + rest[i] * k, x + (rest[i] + 1) * k, rows.data() + i * k);
+    panel_rows(rows.data(), count, head, logits.data(), count <= 2);
+    for (int64_t i = 0; i < count; ++i) out[rest[i]] = argmax_row(logits.data() + i * n, n);
+  }
+  return out;
+}
+
+// `screened_argmax` of x [M, K] through `head` (`pack_panels`, n features) with the screen of `FusedDecoder.screen`:
+// `argmax_rows(panel_linear(x, head, n, None))`, computed the screen's way (tested against it).
+// The screen (`HeadScreen`) of a head of n features over k inputs: `weight` [n, k] its fp32 weights, `packed`
+// them as `pack_panels_w8a8` packs them, `scales` [n] their scales, `spread` [n] each scale times the feature's sum of int8 magnitudes,
+// `blocks` [k / 32, n] the same per block of 32 inputs and `feature_blocks` [n, k / 32] them transposed
+// (`cpu_linear.head_screen` computes them).
+static HeadScreen head_screen(int64_t n, int64_t k, const torch::Tensor& weight, const torch::Tensor& packed,
+                              const torch::Tensor& scales, const torch::Tensor& spread, const torch::Tensor& blocks,
+                              const torch::Tensor& feature_blocks) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == n && weight.size(1) == k && n * k < (int64_t(1) << 31),
+              "head screen: the head's [V, K] weights (fewer than 2^31)");
+  for (const auto* t : {&weight, &scales, &spread, &blocks, &feature_blocks})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kFloat, "head screen: contiguous fp32 bounds");
+  TORCH_CHECK(k % A8_BLOCK == 0 && scales.numel() == n && spread.numel() == n && blocks.numel() == n * (k / A8_BLOCK) &&
+              feature_blocks.numel() == blocks.numel(), "head screen: bounds of every feature");
+  HeadScreen sc;
+  sc.approx = panels_of(packed, n, torch::Tensor());
+  TORCH_CHECK(sc.approx.a8 && sc.approx.k == k, "head screen: the head's weights from pack_panels_w8a8");
+  sc.scale = scales.data_ptr<float>();
+  sc.spread = spread.data_ptr<float>();
+  sc.blocks = blocks.data_ptr<float>();
+  sc.feature_blocks = feature_blocks.data_ptr<float>();
+  sc.largest = scales.max().item<float>();
+  sc.rows = weight.data_ptr<float>();
+  return sc;
+}
+
+// `argmax_rows(panel_linear(x, head, n, None))` for x [M, K] through `head` (`pack_panels`), computed by the
+// screen (`head_screen`'s arguments): what the tests hold it to.
+std::vector<int64_t> screened_argmax_rows(torch::Tensor x, torch::Tensor head, int64_t n, torch::Tensor weight,
+                                          torch::Tensor packed, torch::Tensor scales, torch::Tensor spread,
+                                          torch::Tensor blocks, torch::Tensor feature_blocks) {
+  const Panels w = panels_of(head, n, torch::Tensor());
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) == w.k && w.p,
+              "screened_argmax_rows: contiguous fp32 [M, K] and fp32 panels");
+  return screened_argmax(x.data_ptr<float>(), x.size(0), w, head_screen(n, w.k, weight, packed, scales, spread, blocks, feature_blocks),
+                         x.size(0) <= 2);
+}
+
 // A decode step of a fused model in one call: every decoder layer, the final norm and the LM head, with the
 // same kernels in the same order as `kernels/cpu_layers.py`'s fused layer forward and the CPU attention
 // backend, so the same numbers, without the Python between them (~4 ms of a ~23 ms batch-1 step of SmolLM2,
@@ -2067,11 +2324,12 @@ class FusedDecoder {
   // row's context length including its new token (written at position ctx - 1). Returns the logits [M, vocab].
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
                         std::vector<torch::Tensor> values, std::vector<torch::Tensor> tables,
-                        std::vector<int64_t> group_of_layer, torch::Tensor ctx, int64_t block_size) {
+                        std::vector<int64_t> group_of_layer, torch::Tensor ctx, int64_t block_size, bool greedy) {
     const int64_t m = x.size(0);
     std::vector<int64_t> rows(m);
     std::iota(rows.begin(), rows.end(), 0);
-    return run(x, cos, sin, keys, values, tables, group_of_layer, ctx, std::vector<int64_t>(m, 1), m, rows, block_size);
+    return run(x, cos, sin, keys, values, tables, group_of_layer, ctx, std::vector<int64_t>(m, 1), m, rows, block_size,
+               greedy);
   }
 
   // Any step: request j runs qlens[j] rows of x (in order), its last at position ctx[j] - 1; the first
@@ -2080,8 +2338,18 @@ class FusedDecoder {
   torch::Tensor step(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
                      std::vector<torch::Tensor> values, std::vector<torch::Tensor> tables, std::vector<int64_t> group_of_layer,
                      torch::Tensor ctx, std::vector<int64_t> qlens, int64_t decodes, std::vector<int64_t> keep,
-                     int64_t block_size) {
-    return run(x, cos, sin, keys, values, tables, group_of_layer, ctx, qlens, decodes, keep, block_size);
+                     int64_t block_size, bool greedy) {
+    return run(x, cos, sin, keys, values, tables, group_of_layer, ctx, qlens, decodes, keep, block_size, greedy);
+  }
+
+  // Greedy steps (`forward` and `step` with `greedy`) through the LM head's screen (`HeadScreen`; the arguments
+  // of `head_screen`). Only for an fp32 head without bias whose logits are neither soft-capped nor divided.
+  void screen(torch::Tensor weight, torch::Tensor packed, torch::Tensor scales, torch::Tensor spread, torch::Tensor blocks,
+              torch::Tensor feature_blocks) {
+    TORCH_CHECK(head_.p && !head_.bias && final_softcap_ == 0 && logit_divisor_ == 1.0,
+                "FusedDecoder.screen: an fp32 LM head without bias, soft-capping or divisor");
+    screen_ = head_screen(head_.n, head_.k, weight, packed, scales, spread, blocks, feature_blocks);
+    screen_t_ = {weight, packed, scales, spread, blocks, feature_blocks};
   }
 
   // k greedy tokens after each row's token `ids` ([M] int64), one `forward` each with no Python between them
@@ -2099,9 +2367,8 @@ class FusedDecoder {
     for (int64_t j = 0; j < k; ++j) {
       auto x = embedding.index_select(0, last).to(torch::kFloat);  // (a bf16 model's rows, widened)
       if (embed_scale_ != 1.0) x.mul_((float)embed_scale_);  // as the model's embedding: times its fp32 scale
-      const auto logits = forward(x, cos.select(at, j).contiguous(), sin.select(at, j).contiguous(),
-                                  keys, values, tables, group_of_layer, ctx + j, block_size);
-      last = torch::tensor(argmax_rows(logits), ids.options());
+      last = forward(x, cos.select(at, j).contiguous(), sin.select(at, j).contiguous(), keys, values, tables,
+                     group_of_layer, ctx + j, block_size, true);
       out.select(1, j).copy_(last);
     }
     return out;
@@ -2111,7 +2378,7 @@ class FusedDecoder {
   torch::Tensor run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, std::vector<torch::Tensor>& keys,
                     std::vector<torch::Tensor>& values, const std::vector<torch::Tensor>& tables,
                     const std::vector<int64_t>& group_of_layer, const torch::Tensor& ctx, const std::vector<int64_t>& qlens,
-                    int64_t decodes, const std::vector<int64_t>& keep, int64_t block_size) {
+                    int64_t decodes, const std::vector<int64_t>& keep, int64_t block_size, bool greedy) {
     const int64_t m = x.size(0), c = x.size(1), d = dim_, h = heads_, kvh = kv_heads_, requests = ctx.numel();
     const bool small = m <= 2;  // on the pool (see `parallel`)
     const size_t num_layers = layers_.size();
@@ -2217,11 +2484,25 @@ class FusedDecoder {
     const int64_t kept = keep.size();
     for (int64_t r = 0; r < kept; ++r) std::copy(xp + keep[r] * c, xp + (keep[r] + 1) * c, o.get() + r * c);
     rms_rows(o.get(), nullptr, norm_t_.data_ptr<float>(), norm_eps_, kept, c, hn.get(), nullptr, small);
+    if (greedy && screen_.scale && kept > 0) {
+      if (screen_resting_ == 0) {
+        int64_t missed = 0;
+        auto tokens = screened_argmax(hn.get(), kept, head_, screen_, kept <= 2, &missed);
+        screen_rows_ += kept;
+        screen_missed_ += missed;
+        if (screen_rows_ >= 128) {  // most rows took every logit anyway: the plain head for a while
+          if (4 * screen_missed_ > screen_rows_) screen_resting_ = 512;
+          screen_rows_ = screen_missed_ = 0;
+        }
+        return torch::tensor(tokens, ctx.options());
+      }
+      --screen_resting_;
+    }
     auto logits = torch::empty({kept, head_.n}, x.options());
     panel_rows(hn.get(), kept, head_, logits.data_ptr<float>(), kept <= 2);
     if (final_softcap_ > 0) logits.div_(final_softcap_).tanh_().mul_(final_softcap_);  // as transformers' Gemma2
     if (logit_divisor_ != 1.0) logits.div_(logit_divisor_);  // (Granite's)
-    return logits;
+    return greedy ? torch::tensor(argmax_rows(logits), ctx.options()) : logits;
   }
 
   static void scale_rows(float* x, int64_t n, float s) {
@@ -2260,6 +2541,10 @@ class FusedDecoder {
   double norm_eps_;
   torch::Tensor head_t_, head_bias_t_;
   Panels head_;
+  std::vector<torch::Tensor> screen_t_;  // keeps the screen's tensors alive
+  HeadScreen screen_;  // (no `scale`: none)
+  int64_t screen_rows_ = 0, screen_missed_ = 0;  // rows screened lately, and of them those that took every logit
+  int64_t screen_resting_ = 0;  // greedy steps still to take without the screen
 
  public:
   // Seconds spent in attention (decode and prefill, every layer) since the decoder was built: where a step's
@@ -2283,6 +2568,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("head_norm_", &head_norm_, nogil);
   m.def("gated_act", &gated_act, py::arg("gu"), py::arg("act") = 0, nogil);
   m.def("argmax_rows", &argmax_rows, nogil);
+  m.def("screened_argmax_rows", &screened_argmax_rows, nogil);
+  m.def("has_vnni", [] {  // whether int8 products run on AVX-512 VNNI here (else `a8_rows` is scalar code)
+#ifdef __AVX512VNNI__
+    return true;
+#else
+    return false;
+#endif
+  });
   py::class_<FusedDecoder>(m, "FusedDecoder")
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<double>, std::vector<int64_t>, int64_t, int64_t,
                     int64_t, double, torch::Tensor, double, torch::Tensor, int64_t, torch::Tensor, bool, int64_t,
@@ -2292,8 +2585,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("gated") = false, py::arg("act") = 0, py::arg("rope_of_layer") = std::vector<int64_t>(),
            py::arg("softcap") = 0.0, py::arg("final_softcap") = 0.0, py::arg("embed_scale") = 1.0,
            py::arg("residual_scale") = 1.0, py::arg("logit_divisor") = 1.0)
-      .def("forward", &FusedDecoder::forward, nogil)
-      .def("step", &FusedDecoder::step, nogil)
+      .def("forward", &FusedDecoder::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("keys"),
+           py::arg("values"), py::arg("tables"), py::arg("group_of_layer"), py::arg("ctx"), py::arg("block_size"),
+           py::arg("greedy") = false, nogil)
+      .def("step", &FusedDecoder::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"),
+           py::arg("tables"), py::arg("group_of_layer"), py::arg("ctx"), py::arg("qlens"), py::arg("decodes"),
+           py::arg("keep"), py::arg("block_size"), py::arg("greedy") = false, nogil)
+      .def("screen", &FusedDecoder::screen)
       .def("propose", &FusedDecoder::propose, nogil)
       .def_readonly("attention_seconds", &FusedDecoder::attention_s_);
 }

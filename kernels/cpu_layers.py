@@ -273,6 +273,14 @@ class FusedDecoder:
         self.rope_types = sorted(set(config.layer_types)) if type(inner).__name__ in ROTARY_PER_LAYER_TYPE else None
         """The kinds of layer whose angles the rotary embedding computes apart (each layer takes its kind's)."""
         self.native = self._native(layers, head.packed, head.bias, gated=gated)
+        weight = model.lm_head.weight
+        self.screened = (head.packed.dtype == torch.float32 and weight.dtype == torch.float32 and head.bias is None
+                         and kernels.has_vnni() and self.logit_divisor == 1.0
+                         and not getattr(config, "final_logit_softcapping", None) and weight.shape[1] % 32 == 0)
+        """Whether greedy steps take the LM head's screen (`HeadScreen` in `cpu_kernels.cpp`): the same tokens
+        without most of the fp32 logits."""
+        if self.screened:
+            self.native.screen(*cpu_linear.head_screen(weight))
         self._draft = self.native if quantized in ("int8", "w8a8") else None
         self.argmax = kernels.argmax_rows
         """torch.argmax's tokens, off OpenMP (see `argmax_rows` in `cpu_kernels.cpp`)."""
@@ -339,25 +347,27 @@ class FusedDecoder:
             self._draft = self._native(layers, pack([head.weight.detach()]), _stacked_bias([head]))
         return self._draft
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step, started) -> torch.Tensor:
-        """Logits [rows, vocab] of a decode-only step (`StepInputs` `step`, every row one token); `started()`
-        is called just before the C++ call (which releases the GIL)."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step, started, greedy: bool = False) -> torch.Tensor:
+        """Logits [rows, vocab] of a decode-only step (`StepInputs` `step`, every row one token), or with
+        `greedy` each row's greedy token ([rows] int64: the logits' argmax, through the head's screen where
+        `screened`); `started()` is called just before the C++ call (which releases the GIL)."""
         x = self._embed(input_ids)  # [1, rows, hidden]
         cos, sin = self._angles(x, positions[None])
         x = x[0].contiguous()
         started()
         return self.native.forward(x, cos, sin, step.keys, step.values, step.block_tables, step.group_of_layer,
-                                   step.context_tensor, step.block_size)
+                                   step.context_tensor, step.block_size, greedy)
 
-    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, step, keep: list[int], started) -> torch.Tensor:
-        """Logits [len(keep), vocab] of rows `keep` of any step (prefill chunks too) in one C++ call: the same
-        kernels as the fused layers' Python path, in the same order."""
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, step, keep: list[int], started,
+             greedy: bool = False) -> torch.Tensor:
+        """Logits [len(keep), vocab] of rows `keep` of any step (prefill chunks too) in one C++ call, or their
+        greedy tokens (as `__call__`): the same kernels as the fused layers' Python path, in the same order."""
         x = self._embed(input_ids)
         cos, sin = self._angles(x, positions[None])
         x = x[0].contiguous()
         started()
         return self.native.step(x, cos, sin, step.keys, step.values, step.block_tables, step.group_of_layer,
-                                step.context_tensor, step.query_lens, step.num_decodes, keep, step.block_size)
+                                step.context_tensor, step.query_lens, step.num_decodes, keep, step.block_size, greedy)
 
     def speculate(self, input_ids: torch.Tensor, positions: torch.Tensor, step, k: int, started) -> list[list[int]]:
         """The greedy tokens of a decode-only step, one to k + 1 per row (speculative decoding).
@@ -381,12 +391,12 @@ class FusedDecoder:
         proposed = draft.propose(inner.embed_tokens.weight.detach(), input_ids[0], cos, sin, step.keys, step.values, tables,
                                  step.group_of_layer, ctx, step.block_size, k)
         ids = torch.cat([input_ids[0][:, None], proposed], 1)  # [rows, width]
-        logits = self.native.forward(
+        best = self.native.forward(
             self._embed(ids.reshape(-1)), cos.reshape(sets, rows * width, -1), sin.reshape(sets, rows * width, -1), step.keys,
             step.values, [t.repeat_interleave(width, 0) for t in tables], step.group_of_layer,
-            (ctx[:, None] + torch.arange(width)).reshape(-1), step.block_size,
-        )
-        best, ids = self.argmax(logits), ids.tolist()
+            (ctx[:, None] + torch.arange(width)).reshape(-1), step.block_size, True,
+        ).tolist()
+        ids = ids.tolist()
         runs = []
         for r in range(rows):
             run = best[r * width : (r + 1) * width]

@@ -132,6 +132,19 @@ def pack_int8(weights: list[torch.Tensor], activations: bool = False) -> torch.T
     return pack([q for q, _ in rounded], torch.cat([s for _, s in rounded]))
 
 
+def head_screen(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What `FusedDecoder.screen` (C++, `HeadScreen`) takes for an fp32 LM head of `weight` [V, K] (K a multiple
+    of 32): the weights themselves (contiguous), rounded to int8 (`int8_weights`) and packed for int8 rows too,
+    their scales [V], each scale times the feature's sum of int8 magnitudes [V], and the same per block of 32
+    inputs, [K / 32, V] and [V, K / 32]."""
+    weight = weight.detach().contiguous()
+    q, scale = int8_weights(weight)
+    magnitudes = q.abs().float().view(q.shape[0], -1, 32).sum(-1)  # (integers: exact in fp32)
+    blocks = magnitudes * scale[:, None]
+    return (weight, native.load().pack_panels_w8a8([q], scale), scale, (magnitudes.sum(1) * scale).contiguous(),
+            blocks.t().contiguous(), blocks)
+
+
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
     """Rows `x` [..., K] as a "w8a8" `PanelLinear` computes with them: each block of 32 inputs rounded to int8 on
     its own scale (its largest magnitude / 127), scaled back (a new tensor)."""

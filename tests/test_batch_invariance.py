@@ -30,7 +30,7 @@ def crowd(n: int = 8) -> list[Request]:
 def record_logits(engine: Engine) -> dict[str, list[torch.Tensor]]:
     """Each request's logits, step by step, as the executor samples from them (a test hook on its instance)."""
     ex, seen = engine.executor, {}
-    prepare, logits = ex.prepare, ex.logits
+    prepare, logits, decoded = ex.prepare, ex.logits, ex._decoded
 
     def prepare_named(entries, *args, **kwargs):
         prepared = prepare(entries, *args, **kwargs)
@@ -43,7 +43,12 @@ def record_logits(engine: Engine) -> dict[str, list[torch.Tensor]]:
             seen.setdefault(prepared.request_ids[entry], []).append(out[row].clone())
         return out, argmax
 
-    ex.prepare, ex.logits = prepare_named, logits_recorded
+    def decoded_recorded(prepared, started, greedy=False):
+        if greedy:  # (greedy steps of the one-call decoder compute no logits: the same step's, recorded first)
+            logits_recorded(prepared)
+        return decoded(prepared, started, greedy)
+
+    ex.prepare, ex.logits, ex._decoded = prepare_named, logits_recorded, decoded_recorded
     return seen
 
 

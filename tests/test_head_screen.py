@@ -1,0 +1,104 @@
+"""The LM head's screen (`HeadScreen` in `cpu_kernels.cpp`): greedy tokens from int8 logits with bounds, fp32
+logits only where the bounds leave a doubt; always the argmax of every fp32 logit, as `panel_rows` computes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jitney.kernels import cpu_linear, native
+from tests.support import tiny_gemma2_capped, tiny_granite, tiny_llama
+
+
+def both(x: torch.Tensor, w: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(the screen's tokens, the argmax of every logit) for rows x through a head of weights w."""
+    kernels = native.load()
+    packed = kernels.pack_panels([w])
+    every = kernels.argmax_rows(kernels.panel_linear(x, packed, w.shape[0], None))
+    return kernels.screened_argmax_rows(x, packed, w.shape[0], *cpu_linear.head_screen(w)), every
+
+
+def hidden(rows: int, width: int, g: torch.Generator) -> torch.Tensor:
+    """Rows like a final norm's outputs: a few dimensions far larger than the others."""
+    x = torch.randn(rows, width, generator=g)
+    x[:, [3, width // 2]] *= 20
+    return x
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 40])
+def test_tokens_are_the_argmax_of_every_logit(rows):
+    g = torch.Generator().manual_seed(rows)
+    for _ in range(5):
+        w = torch.randn(1003, 96, generator=g) * 0.05  # (a part panel at the end)
+        x = hidden(rows, 96, g)
+        got, want = both(x, w)
+        assert got == want
+
+
+def test_ties_go_to_the_first_feature():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(500, 64, generator=g)
+    x = hidden(4, 64, g)
+    w[400] = w[90] = x[0] * 2  # the largest logit of row 0, twice (and zeros in a feature of its own)
+    w[7] = 0
+    got, want = both(x, w)
+    assert got == want and got[0] == 90
+    assert both(torch.zeros(2, 64), w) == ([0, 0], [0, 0])  # every logit 0: the first
+
+
+def test_near_ties_are_decided_by_the_fp32_logits():
+    # two features a hair apart: their int8 copies are the same, their fp32 logits a few roundings apart or
+    # equal; the screen must pick as the fp32 argmax does
+    g = torch.Generator().manual_seed(1)
+    winners = set()
+    for _ in range(40):
+        w = torch.randn(300, 64, generator=g) * 0.05
+        x = hidden(1, 64, g)
+        w[100] = x[0] / x[0].norm()
+        w[250] = w[100] + torch.randn(64, generator=g) * 1e-8
+        got, want = both(x, w)
+        assert got == want
+        winners.add(want[0])
+    assert winners == {100, 250}  # (each of the two came out on top)
+
+
+def test_rows_it_cannot_screen_take_every_logit():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(700, 64, generator=g)
+    x = hidden(5, 64, g)
+    x[0, 5] = float("nan")  # every logit NaN: the first NaN's index, 0
+    x[1, 9] = float("inf")
+    x[2] *= 1e36  # logits past fp32's range
+    x[4, :32] *= 1e-38  # a block of subnormal inputs
+    got, want = both(x, w)
+    assert got == want and got[0] == 0
+    flat = torch.full((700, 64), 0.1) + torch.randn(700, 64, generator=g) * 1e-7  # every feature a candidate
+    got, want = both(x[3:], flat)
+    assert got == want
+
+
+def test_bad_screens_are_refused():
+    kernels = native.load()
+    w = torch.randn(100, 64)
+    screen = cpu_linear.head_screen(w)
+    packed = kernels.pack_panels([w])
+    with pytest.raises(RuntimeError, match="head screen"):
+        kernels.screened_argmax_rows(torch.randn(2, 64), packed, 100, w[:50].contiguous(), *screen[1:])
+    with pytest.raises(RuntimeError, match="pack_panels"):
+        kernels.screened_argmax_rows(torch.randn(2, 64), packed, 100, screen[0], screen[2], *screen[2:])  # not w8a8
+    with pytest.raises(RuntimeError, match="fp32"):
+        kernels.screened_argmax_rows(torch.randn(2, 64), cpu_linear.pack_int8([w]), 100, *screen)
+
+
+@pytest.mark.skipif(not native.available() or not native.load().has_vnni(), reason="the screen runs where int8 products do")
+def test_the_decoder_screens_plain_heads_only():
+    from jitney.kernels.cpu_layers import FusedLayers
+
+    def decoder(model, **kw):
+        with FusedLayers(model, **kw) as fused:
+            return fused.decoder
+
+    assert decoder(tiny_llama()).screened
+    assert not decoder(tiny_llama(), quantized="int8").screened  # (its tokens are its int8 head's)
+    assert not decoder(tiny_gemma2_capped()).screened  # soft-capped logits
+    assert not decoder(tiny_granite()).screened  # divided logits
