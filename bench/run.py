@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="jitney,hf-cb,hf-static",
                         help="comma-separated: jitney, jitney-nocache (prefix caching off), jitney-nospec "
                              "(speculative decoding off), jitney-unfused (transformers' layers over the packed linears, no one-call decoder), jitney-int8 / jitney-w8a8 / jitney-bf16 (int8 weights / and activations / bf16 weights), "
-                             "jitney-kvbf16 (a bf16 KV cache), "
+                             "jitney-kvbf16 (a bf16 KV cache), jitney-noscreen (every logit of greedy rows computed), "
                              "hf-cb (transformers continuous batching), hf-static (transformers generate), llama-cpp / llama-cpp-q4 (llama.cpp on the same weights in F32 "
                              "/ the embedded Q4_1; `make bench-peers`)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies: one jitney run each")
@@ -300,6 +300,8 @@ def runs(args) -> list[tuple[str, Callable]]:
             out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, speculative_tokens=0)))
         elif mode == "jitney-unfused":
             out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, fuse_cpu_layers=False)))
+        elif mode == "jitney-noscreen":
+            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, lm_head_screen=False)))
         elif mode in ("jitney-int8", "jitney-w8a8", "jitney-bf16"):
             out.append((mode, lambda m, t, w, a, q=mode[7:]: run_jitney(m, t, w, a, weights=q)))
         elif mode == "jitney-kvbf16":

@@ -145,7 +145,7 @@ def enter_cpu_paths(cfg: EngineConfig, model) -> list:
     paths: list = []
     try:
         if fuse:
-            paths.append(cpu_layers.FusedLayers(model, quantized=quantized).__enter__())
+            paths.append(cpu_layers.FusedLayers(model, quantized=quantized, screen=cfg.lm_head_screen).__enter__())
         if pack:
             skip = paths[0].linears if fuse else frozenset()
             paths.append(cpu_linear.PackedLinears(model, skip=skip, widen=cfg.batch_invariant, quantized=quantized).__enter__())

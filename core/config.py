@@ -83,6 +83,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     `kv_cache_dtype`) where the default attention backend serves (`core/assembly.half_fused`). `None`: on where the
     weights are packed and the C++ kernels build."""
 
+    lm_head_screen: bool = True
+    """On the CPU's one-call decoder, a step whose rows are all greedy takes each row's token through the LM head's
+    screen: int8 logits with proven bounds, fp32 logits only where those leave a doubt (`HeadScreen` in
+    `kernels/cpu_kernels.cpp`). The tokens are the plain head's argmax bit for bit; off, every logit is computed
+    (to measure what it gains: bench mode `jitney-noscreen`). Only for an fp32 head without bias, soft-capping or
+    divisor, on a CPU with AVX-512 VNNI; costs the head's int8 copy (SmolLM2: +36 MB)."""
+
     batch_invariant: bool = False
     """Every request's logits bit-identical whatever else is batched with it and however its prompt is chunked
     (what `SamplingParams.seed` promises), for every attention backend and dtype on CPU. Without it that holds

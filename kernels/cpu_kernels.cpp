@@ -2020,7 +2020,7 @@ std::vector<int64_t> argmax_rows(torch::Tensor x) {
 // `SCREEN_MOST` candidates (a flat row, as from random weights), take every logit (`panel_rows`); where most
 // rows of a decoder's latest 128 did, its next 512 greedy steps do without the screen. SmolLM2 over mixed-64:
 // ~220 features a row past the coarse bounds, ~46 past the finer ones, none taking every logit; its LM head
-// 1.34 -> ~1.0 s of the run (the int8 pass 0.6-0.7 of it), one stream without speculation 69-70 -> 81-87 tok/s.
+// 1.34 -> ~1.0 s of the run (the int8 pass 0.6-0.7 of it); one stream without speculation 56-59 -> 64-67 tok/s.
 struct HeadScreen {
   Panels approx;  // the head's weights as `pack_panels_w8a8` packs them (no bias)
   const float* scale = nullptr;  // [V] s_j

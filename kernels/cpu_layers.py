@@ -183,11 +183,13 @@ def supported(layer: nn.Module) -> bool:
 
 class FusedLayers:
     """While entered, every supported decoder layer of `model` runs fused (see the module's docstring);
-    `quantized`: over int8 or bf16 copies of the weights ("int8", "w8a8" or "bf16", `cpu_linear.PanelLinear`)."""
+    `quantized`: over int8 or bf16 copies of the weights ("int8", "w8a8" or "bf16", `cpu_linear.PanelLinear`);
+    `screen`: greedy steps through the LM head's screen where it can (`FusedDecoder.screened`)."""
 
-    def __init__(self, model: nn.Module, quantized: str | None = None):
+    def __init__(self, model: nn.Module, quantized: str | None = None, screen: bool = True):
         self.model = model
         self.quantized = quantized
+        self.screen = screen
         self.patched: list[nn.Module] = []
         self.linears: set[nn.Linear] = set()
         """The linear layers computed here (`PackedLinears` can skip them)."""
@@ -211,7 +213,7 @@ class FusedLayers:
             head.forward = packed_head = _stacked([head], self.quantized)  # the decoder's and the model's forward share it
             self.patched.append(head)
             self.linears.add(head)
-            self.decoder = FusedDecoder(self.model, packs, packed_head, kernels, self.quantized)
+            self.decoder = FusedDecoder(self.model, packs, packed_head, kernels, self.quantized, self.screen)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -256,7 +258,7 @@ class FusedDecoder:
         )
 
     def __init__(self, model: nn.Module, packs: dict[nn.Module, "_LayerLinears"], head: cpu_linear.PanelLinear, kernels,
-                 quantized: str | None = None):
+                 quantized: str | None = None, screen: bool = True):
         self.model = model
         self.kernels = kernels
         layers = []
@@ -274,7 +276,7 @@ class FusedDecoder:
         """The kinds of layer whose angles the rotary embedding computes apart (each layer takes its kind's)."""
         self.native = self._native(layers, head.packed, head.bias, gated=gated)
         weight = model.lm_head.weight
-        self.screened = (head.packed.dtype == torch.float32 and weight.dtype == torch.float32 and head.bias is None
+        self.screened = (screen and head.packed.dtype == torch.float32 and weight.dtype == torch.float32 and head.bias is None
                          and kernels.has_vnni() and self.logit_divisor == 1.0
                          and not getattr(config, "final_logit_softcapping", None) and weight.shape[1] % 32 == 0)
         """Whether greedy steps take the LM head's screen (`HeadScreen` in `cpu_kernels.cpp`): the same tokens

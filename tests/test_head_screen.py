@@ -3,11 +3,17 @@ logits only where the bounds leave a doubt; always the argmax of every fp32 logi
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from support import engine_tokens, random_requests, reference, tiny_gemma2_capped, tiny_granite, tiny_llama
 
-from jitney.kernels import cpu_linear, native
-from tests.support import tiny_gemma2_capped, tiny_granite, tiny_llama
+from jitney.cli import main as cli
+from jitney.kernels import cpu_layers, cpu_linear, native
+
+vnni = pytest.mark.skipif(not native.available() or not native.load().has_vnni(),
+                          reason="the engine screens where int8 products run on AVX-512 VNNI")
 
 
 def both(x: torch.Tensor, w: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -90,7 +96,7 @@ def test_bad_screens_are_refused():
         kernels.screened_argmax_rows(torch.randn(2, 64), cpu_linear.pack_int8([w]), 100, *screen)
 
 
-@pytest.mark.skipif(not native.available() or not native.load().has_vnni(), reason="the screen runs where int8 products do")
+@vnni
 def test_the_decoder_screens_plain_heads_only():
     from jitney.kernels.cpu_layers import FusedLayers
 
@@ -102,3 +108,26 @@ def test_the_decoder_screens_plain_heads_only():
     assert not decoder(tiny_llama(), quantized="int8").screened  # (its tokens are its int8 head's)
     assert not decoder(tiny_gemma2_capped()).screened  # soft-capped logits
     assert not decoder(tiny_granite()).screened  # divided logits
+
+
+@vnni
+async def test_engines_give_the_same_tokens_with_the_screen_and_without(monkeypatch):
+    decoders = []
+    real = cpu_layers.FusedDecoder.__init__
+    monkeypatch.setattr(cpu_layers.FusedDecoder, "__init__", lambda self, *a, **kw: real(self, *a, **kw) or decoders.append(self))
+    model = tiny_llama()
+    work = random_requests(12, 256, max_prompt=40, max_new=16, seed=5)
+    screened = await engine_tokens(model, work)
+    plain = await engine_tokens(model, work, lm_head_screen=False)
+    assert [d.screened for d in decoders] == [True, False]
+    assert screened == plain == [reference(model, p, n) for p, n in work]
+
+
+@vnni
+def test_bench_measures_what_the_screen_gains(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "bench.json"
+    assert cli(["bench", "--model", str(tmp_path / "tiny"), "--workload", "mixed-16", "--modes", "jitney,jitney-noscreen",
+                "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["jitney", "jitney-noscreen"] and rows[1]["same_tokens_as_first"] == 1.0
