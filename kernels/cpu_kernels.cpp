@@ -2182,10 +2182,10 @@ static std::vector<int64_t> screened_argmax(const float* x, int64_t m, const Pan
   std::vector<float> t(m * nb);
   // the int8 logits: kept from call to call on the thread (a fresh 6.7 MB for 34 rows of SmolLM2's, zeroed, was
   // ~0.7 ms of the head's 3)
-  thread_local std::unique_ptr<float[]> kept;
+  thread_local std::unique_ptr<float[]> held;
   thread_local int64_t capacity = 0;
-  if (capacity < m * n) kept.reset(new float[capacity = m * n]);
-  float* a = kept.get();
+  if (capacity < m * n) held.reset(new float[capacity = m * n]);
+  float* a = held.get();
   quantize_rows(x, m, k, q.data(), t.data(), small);
   a8_rows_rounded(q.data(), t.data(), m, sc.approx, a, small);
   std::vector<int64_t> out(m, -1);
@@ -2214,12 +2214,10 @@ static std::vector<int64_t> screened_argmax(const float* x, int64_t m, const Pan
   return out;
 }
 
-// `screened_argmax` of x [M, K] through `head` (`pack_panels`, n features) with the screen of `FusedDecoder.screen`:
-// `argmax_rows(panel_linear(x, head, n, None))`, computed the screen's way (tested against it).
 // The screen (`HeadScreen`) of a head of n features over k inputs: `weight` [n, k] its fp32 weights, `packed`
-// them as `pack_panels_w8a8` packs them, `scales` [n] their scales, `spread` [n] each scale times the feature's sum of int8 magnitudes,
-// `blocks` [k / 32, n] the same per block of 32 inputs and `feature_blocks` [n, k / 32] them transposed
-// (`cpu_linear.head_screen` computes them).
+// them as `pack_panels_w8a8` packs them, `scales` [n] their scales, `spread` [n] each scale times the feature's
+// sum of int8 magnitudes, `blocks` [k / 32, n] the same per block of 32 inputs and `feature_blocks` [n, k / 32]
+// them transposed (`cpu_linear.head_screen` computes them).
 static HeadScreen head_screen(int64_t n, int64_t k, const torch::Tensor& weight, const torch::Tensor& packed,
                               const torch::Tensor& scales, const torch::Tensor& spread, const torch::Tensor& blocks,
                               const torch::Tensor& feature_blocks) {
@@ -2249,8 +2247,8 @@ std::vector<int64_t> screened_argmax_rows(torch::Tensor x, torch::Tensor head, i
   const Panels w = panels_of(head, n, torch::Tensor());
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) == w.k && w.p,
               "screened_argmax_rows: contiguous fp32 [M, K] and fp32 panels");
-  return screened_argmax(x.data_ptr<float>(), x.size(0), w, head_screen(n, w.k, weight, packed, scales, spread, blocks, feature_blocks),
-                         x.size(0) <= 2);
+  return screened_argmax(x.data_ptr<float>(), x.size(0), w,
+                         head_screen(n, w.k, weight, packed, scales, spread, blocks, feature_blocks), x.size(0) <= 2);
 }
 
 // A decode step of a fused model in one call: every decoder layer, the final norm and the LM head, with the
@@ -2321,7 +2319,8 @@ class FusedDecoder {
   // A decode step: x [M, C] the token embeddings, cos/sin [M, D] their rotary angles (with several sets,
   // [sets, M, D]); keys/values per layer the
   // cache's [slots, kv_heads, D] views of head-major storage; tables per layer group [M, W] int64; ctx [M] each
-  // row's context length including its new token (written at position ctx - 1). Returns the logits [M, vocab].
+  // row's context length including its new token (written at position ctx - 1). Returns the logits [M, vocab], or
+  // with `greedy` each row's greedy token ([M] int64: their argmax, through the head's screen where it has one).
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
                         std::vector<torch::Tensor> values, std::vector<torch::Tensor> tables,
                         std::vector<int64_t> group_of_layer, torch::Tensor ctx, int64_t block_size, bool greedy) {
@@ -2334,7 +2333,8 @@ class FusedDecoder {
 
   // Any step: request j runs qlens[j] rows of x (in order), its last at position ctx[j] - 1; the first
   // `decodes` requests are decodes (one row each, attended as in `forward`), the others prefill chunks
-  // (`paged_prefill`); tables [R, W] per group. Returns the logits of rows `keep` only, [len(keep), vocab].
+  // (`paged_prefill`); tables [R, W] per group. Returns the logits of rows `keep` only, [len(keep), vocab] (with
+  // `greedy`, their greedy tokens, as `forward`).
   torch::Tensor step(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
                      std::vector<torch::Tensor> values, std::vector<torch::Tensor> tables, std::vector<int64_t> group_of_layer,
                      torch::Tensor ctx, std::vector<int64_t> qlens, int64_t decodes, std::vector<int64_t> keep,
