@@ -279,7 +279,8 @@ class FusedDecoder:
         self.screened = (screen and head.packed.dtype == torch.float32 and weight.dtype == torch.float32 and head.bias is None
                          and kernels.has_vnni() and self.logit_divisor == 1.0
                          and not getattr(config, "final_logit_softcapping", None) and weight.shape[1] % 32 == 0
-                         and weight.numel() < 2**31)  # (the gathers of its fp32 logits take int32 offsets)
+                         and weight.numel() < 2**31  # (the gathers of its fp32 logits take int32 offsets)
+                         and bool(torch.isfinite(weight).all()))  # (a NaN weight's logit is every row's argmax)
         """Whether greedy steps take the LM head's screen (`HeadScreen` in `cpu_kernels.cpp`): the same tokens
         without most of the fp32 logits."""
         if self.screened:

@@ -108,6 +108,10 @@ def test_the_decoder_screens_plain_heads_only():
     assert not decoder(tiny_llama(), quantized="int8").screened  # (its tokens are its int8 head's)
     assert not decoder(tiny_gemma2_capped()).screened  # soft-capped logits
     assert not decoder(tiny_granite()).screened  # divided logits
+    broken = tiny_llama()
+    with torch.no_grad():
+        broken.lm_head.weight[5, 3] = float("nan")  # (its logit is NaN in every row: the plain head's argmax)
+    assert not decoder(broken).screened
 
 
 @vnni
@@ -131,3 +135,19 @@ def test_bench_measures_what_the_screen_gains(tmp_path):
                 "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["jitney", "jitney-noscreen"] and rows[1]["same_tokens_as_first"] == 1.0
+
+
+@vnni
+async def test_flat_logits_take_every_logit_and_the_same_tokens():
+    # a head whose logits are all but equal: no row can be screened (more than 4,096 candidates), so each takes
+    # every logit, and after 128 such rows the decoder leaves the screen alone for a while: tokens unchanged
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
+                                         eos_token_id=None, pad_token_id=0)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e-4)
+    work = random_requests(10, 8192, max_prompt=20, max_new=40, seed=6)
+    assert await engine_tokens(model, work) == await engine_tokens(model, work, lm_head_screen=False)
