@@ -133,12 +133,12 @@ def pack_int8(weights: list[torch.Tensor], activations: bool = False) -> torch.T
 
 
 def head_screen(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """What `FusedDecoder.screen` (C++, `HeadScreen`) takes for an fp32 LM head of `weight` [V, K] (K a multiple
-    of 32): the weights themselves (contiguous), rounded to int8 (`int8_weights`) and packed for int8 rows too,
+    """What `FusedDecoder.screen` (C++, `HeadScreen`) takes for an fp32 or bf16 LM head of `weight` [V, K] (K a
+    multiple of 32): the weights themselves (contiguous), rounded to int8 (`int8_weights`) and packed for int8 rows too,
     their scales [V], each scale times the feature's sum of int8 magnitudes [V], and the same per block of 32
     inputs, [K / 32, V] and [V, K / 32]."""
     weight = weight.detach().contiguous()
-    q, scale = int8_weights(weight)
+    q, scale = int8_weights(weight.float())
     magnitudes = q.abs().float().view(q.shape[0], -1, 32).sum(-1)  # (integers: exact in fp32)
     blocks = magnitudes * scale[:, None]
     return (weight, native.load().pack_panels_w8a8([q], scale), scale, (magnitudes.sum(1) * scale).contiguous(),

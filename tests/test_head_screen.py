@@ -31,22 +31,25 @@ def hidden(rows: int, width: int, g: torch.Generator) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 40])
-def test_tokens_are_the_argmax_of_every_logit(rows):
+def test_tokens_are_the_argmax_of_every_logit(rows, dtype):
     g = torch.Generator().manual_seed(rows)
     for _ in range(5):
-        w = torch.randn(1003, 96, generator=g) * 0.05  # (a part panel at the end)
+        w = (torch.randn(1003, 96, generator=g) * 0.05).to(dtype)  # (a part panel at the end)
         x = hidden(rows, 96, g)
         got, want = both(x, w)
         assert got == want
 
 
-def test_ties_go_to_the_first_feature():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_ties_go_to_the_first_feature(dtype):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(500, 64, generator=g)
     x = hidden(4, 64, g)
     w[400] = w[90] = x[0] * 2  # the largest logit of row 0, twice (and zeros in a feature of its own)
     w[7] = 0
+    w = w.to(dtype)
     got, want = both(x, w)
     assert got == want and got[0] == 90
     assert both(torch.zeros(2, 64), w) == ([0, 0], [0, 0])  # every logit 0: the first
@@ -125,6 +128,9 @@ async def test_engines_give_the_same_tokens_with_the_screen_and_without(monkeypa
     plain = await engine_tokens(model, work, lm_head_screen=False)
     assert [d.screened for d in decoders] == [True, False]
     assert screened == plain == [reference(model, p, n) for p, n in work]
+    half = tiny_llama().to(torch.bfloat16)  # (computed in fp32 over its bf16 weights, the head's too)
+    assert await engine_tokens(half, work) == await engine_tokens(half, work, lm_head_screen=False)
+    assert [d.screened for d in decoders[2:]] == [True, False]
 
 
 @vnni
