@@ -2003,7 +2003,7 @@ std::vector<int64_t> argmax_rows(torch::Tensor x) {
   return out;
 }
 
-// Greedy tokens through an fp32 (or bf16) LM head without computing every logit in fp32: the logits
+// Greedy tokens through an fp32 (or bf16, fp16) LM head without computing every logit in fp32: the logits
 // first through an int8 copy of the head over int8 rows (`a8_rows`, a quarter of the bytes, `vpdpbusd`'s
 // products), each with a bound on its distance from the fp32 logit that `panel_rows` computes; then fp32 logits
 // only for the features whose bounds reach the best lower bound, the same sums in the same order as
@@ -2030,9 +2030,19 @@ struct HeadScreen {
   float largest = 0.f;  // the largest s_j
   const float* rows = nullptr;  // [V, K] the head's fp32 weights, one feature a row (the model's own)
   const uint16_t* rows16 = nullptr;  // instead, its bf16 weights (a bf16 model's)
+  const at::Half* rows_f16 = nullptr;  // or its fp16 weights
 };
 
 static constexpr int64_t SCREEN_MOST = 512;
+
+// The type of unquantized panels' weights (int8 ones: none of these, kChar).
+static torch::ScalarType panels_dtype(const Panels& w) {
+  return w.p ? torch::kFloat : w.h ? torch::kBFloat16 : w.f16 ? torch::kHalf : torch::kChar;
+}
+
+static inline float head_weight(float w) { return w; }
+static inline float head_weight(uint16_t w) { return to_float(w); }
+static inline float head_weight(at::Half w) { return (float)w; }
 
 static inline bool finite_bits(float x) {
   uint32_t bits;
@@ -2041,8 +2051,9 @@ static inline bool finite_bits(float x) {
 }
 
 // fp32 logits of row x for features idx[0 .. count) (count <= 16) from the head's weights row by row (`rows`
-// [V, K], fp32 or bf16: T float or uint16_t), into out: the same sums in the same order as `panel_rows` over
-// its panels (lane by lane, the inputs in order, `acc += x * w` as `panel_tile16` writes it, bf16 widened),
+// [V, K], fp32, bf16 or fp16: T float, uint16_t or at::Half), into out: the same sums in the same order as
+// `panel_rows` over its panels (lane by lane, the inputs in order, `acc += x * w` as `panel_tile16` writes it,
+// 16-bit weights widened exactly),
 // each feature's row read once (its panel would be 16 rows' worth of lines).
 template <typename T>
 static inline void head_logits(const float* x, int64_t k, const T* rows, const int32_t* idx, int64_t count, float* out) {
@@ -2058,6 +2069,9 @@ static inline void head_logits(const float* x, int64_t k, const T* rows, const i
     const __m512i words = _mm512_i32gather_epi32(offsets, reinterpret_cast<const int32_t*>(rows) + c / per, 4);
     if constexpr (per == 1) {
       acc += x[c] * (v16)_mm512_castsi512_ps(words);
+    } else if constexpr (std::is_same_v<T, at::Half>) {  // (two fp16 inputs a word, the first in its low half)
+      acc += x[c] * (v16)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+      acc += x[c + 1] * (v16)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
     } else {  // (two bf16 inputs a word, the first in its low half)
       acc += x[c] * (v16)_mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
       acc += x[c + 1] * (v16)_mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32((int32_t)0xffff0000u)));
@@ -2067,7 +2081,7 @@ static inline void head_logits(const float* x, int64_t k, const T* rows, const i
 #else
   for (int64_t i = 0; i < count; ++i) {
     v8 acc{};  // (lane 0 of `panel_tile`'s chains: the same expression)
-    for (int64_t c = 0; c < k; ++c) acc += x[c] * (v8{} + to_float(rows[idx[i] * k + c]));
+    for (int64_t c = 0; c < k; ++c) acc += x[c] * (v8{} + head_weight(rows[idx[i] * k + c]));
     out[i] = acc[0];
   }
 #endif
@@ -2175,6 +2189,7 @@ static int64_t screened_row(const float* x, const uint8_t* q, const float* t, co
   for (size_t i = 0; i < kept.size(); i += 16) {
     const int64_t count = std::min<int64_t>(16, kept.size() - i);
     if (sc.rows16) head_logits(x, k, sc.rows16, kept.data() + i, count, logits);
+    else if (sc.rows_f16) head_logits(x, k, sc.rows_f16, kept.data() + i, count, logits);
     else head_logits(x, k, sc.rows, kept.data() + i, count, logits);
     for (int64_t l = 0; l < count; ++l)
       if (best < 0 || logits[l] > top) top = logits[l], best = kept[i + l];  // (ascending: the smallest index keeps a tie)
@@ -2182,7 +2197,7 @@ static int64_t screened_row(const float* x, const uint8_t* q, const float* t, co
   return best;
 }
 
-// The greedy token of each row of x [M, K] through `head` (fp32 or bf16 panels, no bias): `argmax_row` of
+// The greedy token of each row of x [M, K] through `head` (fp32, bf16 or fp16 panels, no bias): `argmax_row` of
 // `panel_rows`'s logits, by the screen (`HeadScreen`).
 static std::vector<int64_t> screened_argmax(const float* x, int64_t m, const Panels& head, const HeadScreen& sc, bool small,
                                             int64_t* missed = nullptr) {
@@ -2223,7 +2238,8 @@ static std::vector<int64_t> screened_argmax(const float* x, int64_t m, const Pan
   return out;
 }
 
-// The screen (`HeadScreen`) of a head of n features over k inputs: `weight` [n, k] its fp32 or bf16 weights, `packed`
+// The screen (`HeadScreen`) of a head of n features over k inputs: `weight` [n, k] its weights as its panels hold
+// them (fp32, bf16 or fp16), `packed`
 // them as `pack_panels_w8a8` packs them, `scales` [n] their scales, `spread` [n] each scale times the feature's
 // sum of int8 magnitudes, `blocks` [k / 32, n] the same per block of 32 inputs and `feature_blocks` [n, k / 32]
 // them transposed (`cpu_linear.head_screen` computes them).
@@ -2232,9 +2248,10 @@ static HeadScreen head_screen(int64_t n, int64_t k, const torch::Tensor& weight,
                               const torch::Tensor& feature_blocks) {
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == n && weight.size(1) == k && n * k < (int64_t(1) << 31),
               "head screen: the head's [V, K] weights (fewer than 2^31)");
-  TORCH_CHECK(weight.is_contiguous() && (weight.scalar_type() == torch::kFloat || weight.scalar_type() == torch::kBFloat16) &&
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(weight.is_contiguous() && (dtype == torch::kFloat || dtype == torch::kBFloat16 || dtype == torch::kHalf) &&
               reinterpret_cast<uintptr_t>(weight.data_ptr()) % 4 == 0 && k % 2 == 0,
-              "head screen: the head's weights contiguous, fp32 or bf16");
+              "head screen: the head's weights contiguous, fp32, bf16 or fp16");
   for (const auto* t : {&scales, &spread, &blocks, &feature_blocks})
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kFloat, "head screen: contiguous fp32 bounds");
   TORCH_CHECK(k % A8_BLOCK == 0 && scales.numel() == n && spread.numel() == n && blocks.numel() == n * (k / A8_BLOCK) &&
@@ -2247,7 +2264,8 @@ static HeadScreen head_screen(int64_t n, int64_t k, const torch::Tensor& weight,
   sc.blocks = blocks.data_ptr<float>();
   sc.feature_blocks = feature_blocks.data_ptr<float>();
   sc.largest = scales.max().item<float>();
-  if (weight.scalar_type() == torch::kBFloat16) sc.rows16 = data_of<uint16_t>(weight);
+  if (dtype == torch::kBFloat16) sc.rows16 = data_of<uint16_t>(weight);
+  else if (dtype == torch::kHalf) sc.rows_f16 = weight.data_ptr<at::Half>();
   else sc.rows = weight.data_ptr<float>();
   return sc;
 }
@@ -2259,8 +2277,8 @@ std::vector<int64_t> screened_argmax_rows(torch::Tensor x, torch::Tensor head, i
                                           torch::Tensor blocks, torch::Tensor feature_blocks) {
   const Panels w = panels_of(head, n, torch::Tensor());
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) == w.k &&
-              (w.p ? weight.scalar_type() == torch::kFloat : w.h && weight.scalar_type() == torch::kBFloat16),
-              "screened_argmax_rows: contiguous fp32 [M, K], fp32 or bf16 panels and weights alike");
+              weight.scalar_type() == panels_dtype(w),
+              "screened_argmax_rows: contiguous fp32 [M, K], fp32, bf16 or fp16 panels and weights alike");
   return screened_argmax(x.data_ptr<float>(), x.size(0), w,
                          head_screen(n, w.k, weight, packed, scales, spread, blocks, feature_blocks), x.size(0) <= 2);
 }
@@ -2360,9 +2378,8 @@ class FusedDecoder {
   // of `head_screen`). Only for an fp32 head without bias whose logits are neither soft-capped nor divided.
   void screen(torch::Tensor weight, torch::Tensor packed, torch::Tensor scales, torch::Tensor spread, torch::Tensor blocks,
               torch::Tensor feature_blocks) {
-    TORCH_CHECK((head_.p ? weight.scalar_type() == torch::kFloat : head_.h && weight.scalar_type() == torch::kBFloat16) &&
-                !head_.bias && final_softcap_ == 0 && logit_divisor_ == 1.0,
-                "FusedDecoder.screen: an fp32 or bf16 LM head (its weights alike) without bias, soft-capping or divisor");
+    TORCH_CHECK(weight.scalar_type() == panels_dtype(head_) && !head_.bias && final_softcap_ == 0 && logit_divisor_ == 1.0,
+                "FusedDecoder.screen: an unquantized LM head (its weights alike) without bias, soft-capping or divisor");
     screen_ = head_screen(head_.n, head_.k, weight, packed, scales, spread, blocks, feature_blocks);
     screen_t_ = {weight, packed, scales, spread, blocks, feature_blocks};
   }

@@ -276,7 +276,7 @@ class FusedDecoder:
         """The kinds of layer whose angles the rotary embedding computes apart (each layer takes its kind's)."""
         self.native = self._native(layers, head.packed, head.bias, gated=gated)
         weight = model.lm_head.weight
-        self.screened = (screen and weight.dtype == head.packed.dtype in (torch.float32, torch.bfloat16) and head.bias is None
+        self.screened = (screen and weight.dtype == head.packed.dtype and head.bias is None  # (its panels as it is)
                          and kernels.has_vnni() and self.logit_divisor == 1.0
                          and not getattr(config, "final_logit_softcapping", None) and weight.shape[1] % 32 == 0
                          and weight.numel() < 2**31  # (the gathers of its fp32 logits take int32 offsets)

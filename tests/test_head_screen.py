@@ -31,7 +31,7 @@ def hidden(rows: int, width: int, g: torch.Generator) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 40])
 def test_tokens_are_the_argmax_of_every_logit(rows, dtype):
     g = torch.Generator().manual_seed(rows)
@@ -42,7 +42,7 @@ def test_tokens_are_the_argmax_of_every_logit(rows, dtype):
         assert got == want
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_ties_go_to_the_first_feature(dtype):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(500, 64, generator=g)
@@ -128,9 +128,10 @@ async def test_engines_give_the_same_tokens_with_the_screen_and_without(monkeypa
     plain = await engine_tokens(model, work, lm_head_screen=False)
     assert [d.screened for d in decoders] == [True, False]
     assert screened == plain == [reference(model, p, n) for p, n in work]
-    half = tiny_llama().to(torch.bfloat16)  # (computed in fp32 over its bf16 weights, the head's too)
-    assert await engine_tokens(half, work) == await engine_tokens(half, work, lm_head_screen=False)
-    assert [d.screened for d in decoders[2:]] == [True, False]
+    for dtype in (torch.bfloat16, torch.float16):  # (computed in fp32 over their 16-bit weights, the head's too)
+        half = tiny_llama().to(dtype)
+        assert await engine_tokens(half, work) == await engine_tokens(half, work, lm_head_screen=False)
+    assert [d.screened for d in decoders[2:]] == [True, False, True, False]
 
 
 @vnni
