@@ -276,6 +276,8 @@ class FusedDecoder:
         """The kinds of layer whose angles the rotary embedding computes apart (each layer takes its kind's)."""
         self.native = self._native(layers, head.packed, head.bias, gated=gated)
         weight = model.lm_head.weight
+        if quantized == "bf16" and weight.dtype == torch.float32:  # (the values its panels hold: +half its fp32 bytes)
+            weight = weight.detach().to(torch.bfloat16)
         self.screened = (screen and weight.dtype == head.packed.dtype and head.bias is None  # (its panels as it is)
                          and kernels.has_vnni() and self.logit_divisor == 1.0
                          and not getattr(config, "final_logit_softcapping", None) and weight.shape[1] % 32 == 0

@@ -133,8 +133,8 @@ def pack_int8(weights: list[torch.Tensor], activations: bool = False) -> torch.T
 
 
 def head_screen(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """What `FusedDecoder.screen` (C++, `HeadScreen`) takes for an fp32 or bf16 LM head of `weight` [V, K] (K a
-    multiple of 32): the weights themselves (contiguous), rounded to int8 (`int8_weights`) and packed for int8 rows too,
+    """What `FusedDecoder.screen` (C++, `HeadScreen`) takes for an fp32, bf16 or fp16 LM head of `weight` [V, K]
+    (K a multiple of 32): the weights themselves (contiguous), rounded to int8 (`int8_weights`) and packed for int8 rows too,
     their scales [V], each scale times the feature's sum of int8 magnitudes [V], and the same per block of 32
     inputs, [K / 32, V] and [V, K / 32]."""
     weight = weight.detach().contiguous()
