@@ -2040,9 +2040,6 @@ static torch::ScalarType panels_dtype(const Panels& w) {
   return w.p ? torch::kFloat : w.h ? torch::kBFloat16 : w.f16 ? torch::kHalf : torch::kChar;
 }
 
-static inline float head_weight(float w) { return w; }
-static inline float head_weight(uint16_t w) { return to_float(w); }
-static inline float head_weight(at::Half w) { return (float)w; }
 
 static inline bool finite_bits(float x) {
   uint32_t bits;
@@ -2055,9 +2052,9 @@ static inline bool finite_bits(float x) {
 // `panel_rows` over its panels (lane by lane, the inputs in order, `acc += x * w` as `panel_tile16` writes it,
 // 16-bit weights widened exactly),
 // each feature's row read once (its panel would be 16 rows' worth of lines).
+#ifdef __AVX512F__
 template <typename T>
 static inline void head_logits(const float* x, int64_t k, const T* rows, const int32_t* idx, int64_t count, float* out) {
-#ifdef __AVX512F__
   constexpr int64_t per = 4 / sizeof(T);  // inputs a gathered 32-bit word holds (K is even)
   alignas(64) int32_t at[16];
   for (int64_t i = 0; i < 16; ++i) at[i] = (int32_t)(idx[i < count ? i : 0] * k / per);  // (the rest repeat the first)
@@ -2078,13 +2075,17 @@ static inline void head_logits(const float* x, int64_t k, const T* rows, const i
     }
   }
   for (int64_t i = 0; i < count; ++i) out[i] = acc[i];
-#else
-  for (int64_t i = 0; i < count; ++i) {
-    v8 acc{};  // (lane 0 of `panel_tile`'s chains: the same expression)
-    for (int64_t c = 0; c < k; ++c) acc += x[c] * (v8{} + head_weight(rows[idx[i] * k + c]));
-    out[i] = acc[0];
-  }
+}
 #endif
+
+// fp32 logit j of row x through the head's panels, by `panel_tile` (the same sums as `panel_rows`).
+[[maybe_unused]] static float panel_logit(const float* x, const Panels& head, int64_t j) {
+  float t[PANEL];
+  const int64_t at = (j / PANEL) * head.k * PANEL;
+  if (head.h) panel_tile<1, uint16_t>(x, head.k, head.h + at, t, PANEL, PANEL, nullptr, nullptr);
+  else if (head.f16) panel_tile<1, at::Half>(x, head.k, head.f16 + at, t, PANEL, PANEL, nullptr, nullptr);
+  else panel_tile<1, float>(x, head.k, head.p + at, t, PANEL, PANEL, nullptr, nullptr);
+  return t[j % PANEL];
 }
 
 // A row's token by the screen (see `HeadScreen`), or -1 where the row must take every logit.
@@ -2188,9 +2189,13 @@ static int64_t screened_row(const float* x, const uint8_t* q, const float* t, co
   float top = 0.f, logits[16];
   for (size_t i = 0; i < kept.size(); i += 16) {
     const int64_t count = std::min<int64_t>(16, kept.size() - i);
+#ifdef __AVX512F__
     if (sc.rows16) head_logits(x, k, sc.rows16, kept.data() + i, count, logits);
     else if (sc.rows_f16) head_logits(x, k, sc.rows_f16, kept.data() + i, count, logits);
     else head_logits(x, k, sc.rows, kept.data() + i, count, logits);
+#else  // (each through its panel, as `panel_rows` computes it: without 512-bit vectors the engine has no screen)
+    for (int64_t l = 0; l < count; ++l) logits[l] = panel_logit(x, head, kept[i + l]);
+#endif
     for (int64_t l = 0; l < count; ++l)
       if (best < 0 || logits[l] > top) top = logits[l], best = kept[i + l];  // (ascending: the smallest index keeps a tie)
   }
