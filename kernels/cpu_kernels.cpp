@@ -2040,7 +2040,6 @@ static torch::ScalarType panels_dtype(const Panels& w) {
   return w.p ? torch::kFloat : w.h ? torch::kBFloat16 : w.f16 ? torch::kHalf : torch::kChar;
 }
 
-
 static inline bool finite_bits(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, 4);
@@ -2050,8 +2049,7 @@ static inline bool finite_bits(float x) {
 // fp32 logits of row x for features idx[0 .. count) (count <= 16) from the head's weights row by row (`rows`
 // [V, K], fp32, bf16 or fp16: T float, uint16_t or at::Half), into out: the same sums in the same order as
 // `panel_rows` over its panels (lane by lane, the inputs in order, `acc += x * w` as `panel_tile16` writes it,
-// 16-bit weights widened exactly),
-// each feature's row read once (its panel would be 16 rows' worth of lines).
+// 16-bit weights widened exactly), each feature's row read once (its panel would be 16 rows' worth of lines).
 #ifdef __AVX512F__
 template <typename T>
 static inline void head_logits(const float* x, int64_t k, const T* rows, const int32_t* idx, int64_t count, float* out) {
