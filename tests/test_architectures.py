@@ -76,7 +76,8 @@ MODELS = {
 }
 
 REFUSED = {  # architecture: what the refusal says
-    "falcon": "never reaches jitney's attention function",
+    # (Falcon's attention joined transformers' registry in 5.25, but its decoder layer drops the step's data)
+    "falcon": "never reaches jitney's attention function|do not pass the step's data down",
     "stablelm": "do not pass the step's data down",
 }
 
