@@ -57,9 +57,10 @@ def _cpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default=None, choices=["int8", "w8a8", "bf16"],
                         help="int8: the linear layers through int8 copies of their weights; w8a8: their inputs rounded "
                              "to int8 too; bf16: through bf16 copies (CPU; EngineConfig.weights)")
-    parser.add_argument("--kv-cache-dtype", default=None, choices=["bf16"],
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["bf16", "int8"],
                         help="bf16: keys and values cached rounded to bfloat16, half the memory and half what decode "
-                             "attention reads (EngineConfig.kv_cache_dtype)")
+                             "attention reads; int8: as int8 codes with a scale per position and head, about a quarter "
+                             "(EngineConfig.kv_cache_dtype)")
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """`jitney quality`: what a weight format or a KV cache's dtype costs in quality, measured. Perplexity of a model on
 held-out English text through the engine's own linear kernels, fp32 against int8 weights and int8 weights and
-activations (`EngineConfig.weights`), and keys and values rounded as a bf16 cache holds them
+activations (`EngineConfig.weights`), and keys and values rounded as a bf16 or int8 cache holds them
 (`EngineConfig.kv_cache_dtype`), and how often each one's most likely next token is fp32's (teacher-forced, every
 position).
 
@@ -19,15 +19,15 @@ import time
 import torch
 
 WEIGHTS = ("fp32", "int8", "w8a8", "bf16")
-KV = "kvbf16"
-"""A kind's suffix (`int8+kvbf16`): its keys and values rounded to bf16 as a bf16 KV cache holds them."""
+KV = {"kvbf16": torch.bfloat16, "kvint8": torch.int8}
+"""A kind's suffixes (`int8+kvbf16`): its keys and values rounded as a KV cache of that dtype holds them."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help='a local checkpoint directory, or "smollm2" (default)')
     parser.add_argument("--weights", default="fp32,int8",
-                        help=f"comma-separated: fp32, int8, w8a8, bf16, each optionally +{KV} (keys and values rounded "
-                             "as a bf16 KV cache holds them); the first is the baseline")
+                        help="comma-separated: fp32, int8, w8a8, bf16, each optionally +kvbf16 or +kvint8 (keys and "
+                             "values rounded as a bf16 or int8 KV cache holds them); the first is the baseline")
     parser.add_argument("--tokens", type=int, default=32768, help="tokens of the text to score (its start)")
     parser.add_argument("--window", type=int, default=1024, help="tokens a forward pass sees (windows do not overlap)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this file")
@@ -64,8 +64,9 @@ def main(args: argparse.Namespace) -> int:
     kinds = args.weights.split(",")
     for kind in kinds:
         weights, _, kv = kind.partition("+")
-        if weights not in WEIGHTS or kv not in ("", KV):
-            raise ValueError(f"--weights: unknown {kind!r} (known: {', '.join(WEIGHTS)}, each optionally +{KV})")
+        if weights not in WEIGHTS or kv not in ("", *KV):
+            raise ValueError(f"--weights: unknown {kind!r} (known: {', '.join(WEIGHTS)}, each optionally "
+                             f"+{' or +'.join(KV)})")
     if {k.partition("+")[0] for k in kinds} - {"fp32"} and not native.available():
         raise ValueError("int8, w8a8 and bf16 weights need jitney's C++ kernels, which do not build here")
     if args.tokens < 2 or args.window < 2:
@@ -79,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
     for kind in kinds:
         t = time.perf_counter()
         weights, _, kv = kind.partition("+")
-        rounded_kv = RoundedKV(model) if kv else contextlib.nullcontext()
+        rounded_kv = RoundedKV(model, KV[kv]) if kv else contextlib.nullcontext()
         # (the engine's kernels, fp32 too)
         with cpu_linear.PackedLinears(model, quantized=None if weights == "fp32" else weights), rounded_kv:
             nll, best = score(model, ids, args.window)

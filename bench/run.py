@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="jitney,hf-cb,hf-static",
                         help="comma-separated: jitney, jitney-nocache (prefix caching off), jitney-nospec "
                              "(speculative decoding off), jitney-unfused (transformers' layers over the packed linears, no one-call decoder), jitney-int8 / jitney-w8a8 / jitney-bf16 (int8 weights / and activations / bf16 weights), "
-                             "jitney-kvbf16 (a bf16 KV cache), jitney-noscreen (every logit of greedy rows computed), "
+                             "jitney-kvbf16 / jitney-kvint8 (a bf16 / int8 KV cache), jitney-noscreen (every logit of greedy rows computed), "
                              "hf-cb (transformers continuous batching), hf-static (transformers generate), llama-cpp / llama-cpp-q4 (llama.cpp on the same weights in F32 "
                              "/ the embedded Q4_1; `make bench-peers`)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies: one jitney run each")
@@ -47,9 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="jitney's EngineConfig.speculative_tokens (default: the engine's; jitney-nospec: 0)")
     parser.add_argument("--async-batching", action="store_true",
                         help="jitney launches each decode step before handing out the previous one's tokens")
-    parser.add_argument("--kv-cache-dtype", default=None, choices=["bf16"],
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["bf16", "int8"],
                         help="every jitney mode's EngineConfig.kv_cache_dtype (e.g. with jitney-int8: int8 weights over a "
-                             "bf16 cache); jitney-kvbf16 is jitney with bf16")
+                             "bf16 cache); jitney-kvbf16 / jitney-kvint8 are jitney with bf16 / int8")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--chunk-context-cost", type=float, default=None,
                         help="jitney's EngineConfig.chunk_context_cost (default: the model's; 0: a chunk counts its tokens only)")
@@ -142,12 +142,12 @@ def workload_gflop(model, work: Workload) -> float:
 
 
 def attainable_seconds(model, shapes: list[list[float]], gflops: float, gbps: float, weights: str | None,
-                       kv_itemsize: int = 4) -> float:
+                       kv_itemsize: float = 4) -> float:
     """The roofline of the steps a run took (`profile.features` of each): a step takes at least its multiply-adds
     at the matmul peak `gflops`, and at least its reads at the memory read rate `gbps`: every weight once (the
     packed copy's bytes: `weights` "int8" / "w8a8" a quarter of fp32's, "bf16" half; a speculative step's
     draft passes an int8 copy each) and the KV blocks its decode rows read (distinct ones once; `kv_itemsize`
-    bytes an element: 2 for a bf16 cache). Summed over steps, the longer of the two each: compute and memory
+    bytes an element: 2 for a bf16 cache, 68 / 64 for int8 rows of 64 codes and a scale). Summed over steps, the longer of the two each: compute and memory
     overlapped perfectly, nothing else counted."""
     from jitney.bench.profile import FEATURES
 
@@ -199,7 +199,9 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
         plugins.append(schedule := ScheduleTimeline())
     engine = Engine(model, tokenizer, config, plugins=plugins)
     stats.recorder = StepRecorder(engine.executor)  # (each step's shape, for `attainable_seconds`)
-    stats.weights, stats.kv_itemsize = config.weights, engine.cache.keys[0].element_size()
+    k0, mc = engine.cache.keys[0], model.config.get_text_config()
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    stats.weights, stats.kv_itemsize = config.weights, k0.element_size() * k0.shape[-1] / head_dim  # (an int8 row's scale)
     arrivals = getattr(args, "arrivals", None)
     out: list[list[int]] = [[] for _ in work]
 
@@ -304,8 +306,8 @@ def runs(args) -> list[tuple[str, Callable]]:
             out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, lm_head_screen=False)))
         elif mode in ("jitney-int8", "jitney-w8a8", "jitney-bf16"):
             out.append((mode, lambda m, t, w, a, q=mode[7:]: run_jitney(m, t, w, a, weights=q)))
-        elif mode == "jitney-kvbf16":
-            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, kv_cache_dtype="bf16")))
+        elif mode in ("jitney-kvbf16", "jitney-kvint8"):
+            out.append((mode, lambda m, t, w, a, kv=mode[9:]: run_jitney(m, t, w, a, kv_cache_dtype=kv)))
         elif mode in ("hf-cb", "hf-static"):
             out.append((mode, run_hf_cb if mode == "hf-cb" else run_hf_static))
         elif mode in ("llama-cpp", "llama-cpp-q4"):

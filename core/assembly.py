@@ -39,16 +39,16 @@ def half_fused(cfg: EngineConfig, model) -> bool:
 
 
 def kv_cache_dtype(cfg: EngineConfig, backend, name: str, computed: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype: `computed` (what the model's attention computes in), or bf16 with `cfg.kv_cache_dtype`;
-    a `ValueError` where the attention backend cannot read that under `computed` queries."""
+    """The KV cache's dtype: `computed` (what the model's attention computes in), or bf16 or int8 with
+    `cfg.kv_cache_dtype`; a `ValueError` where the attention backend cannot read that under `computed` queries."""
     if cfg.kv_cache_dtype is None:
         return computed
-    dtype = torch.bfloat16
+    dtype = torch.int8 if cfg.kv_cache_dtype == "int8" else torch.bfloat16
     if dtype != computed and dtype not in getattr(backend, "cache_dtypes", ()):
         raise ValueError(
-            f"EngineConfig.kv_cache_dtype={cfg.kv_cache_dtype!r}: the attention backend {name!r} does not read a bf16 "
-            f"cache under {str(computed).removeprefix('torch.')} queries (the 'cpu' backend does: an fp32 model on CPU "
-            "where jitney's C++ kernels build)")
+            f"EngineConfig.kv_cache_dtype={cfg.kv_cache_dtype!r}: the attention backend {name!r} does not read "
+            f"{'an' if cfg.kv_cache_dtype == 'int8' else 'a'} {cfg.kv_cache_dtype} cache under {str(computed).removeprefix('torch.')} queries (the 'cpu' backend does: an "
+            "fp32 model on CPU where jitney's C++ kernels build)")
     return dtype
 
 
@@ -59,6 +59,8 @@ def build_cache(cfg: EngineConfig, mc, dtype: torch.dtype, device: torch.device,
     heads = mc.num_attention_heads
     kv_heads = getattr(mc, "num_key_value_heads", None) or heads
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
+    if dtype == torch.int8:  # each row's scale after its codes (`kernels/base.quantize_kv`)
+        head_dim += 4
     layers = mc.num_hidden_layers
     num_blocks = cfg.num_blocks
     per_block = bytes_per_block(layers, cfg.block_size, kv_heads, head_dim, dtype)

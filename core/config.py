@@ -118,16 +118,19 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     to bfloat16 (half the bytes; rows and sums fp32, so tokens are `generate`'s over the rounded weights, and
     fp32's exactly for a checkpoint published in bf16); speculation stays on (its draft is int8)."""
 
-    kv_cache_dtype: Literal["bf16"] | None = None
+    kv_cache_dtype: Literal["bf16", "int8"] | None = None
     """`None`: the KV cache holds keys and values as the model computes them (fp32 for an fp32 model, and for a bf16
     or fp16 model on the one-call decoder). `"bf16"`: rounded to bfloat16 as they are written (to nearest even): half
     the bytes, so twice the tokens in the same memory and half of what a decode step's attention reads. Queries,
     scores and sums stay fp32 (the `cpu` attention backend widens each key and value exactly as it reads it), so a
     row's output is fp32 attention over the rounded keys and values: tokens are not fp32's, they part from them at
     near-ties (perplexity, agreement and speed in docs/benchmarks.md); deterministic and batch-invariant like fp32.
+    `"int8"`: each position's key (value) of each KV head as int8 codes with one fp32 scale (its largest magnitude
+    over 127, `kernels/base.quantize_kv`): 68 bytes a row of 64 dims against bf16's 128, fp32's 256; the kernels
+    multiply each code by its row's scale as they read it. Quality measured, not assumed (docs/benchmarks.md).
     Needs an attention backend that reads such a cache (`AttentionBackend.cache_dtypes`: the `cpu` backend, the
-    default for fp32 models on CPU where jitney's C++ kernels build) or a model that computes in bf16; otherwise a
-    `ValueError` at start-up."""
+    default for fp32 models on CPU where jitney's C++ kernels build) or, for bf16, a model that computes in bf16;
+    otherwise a `ValueError` at start-up."""
 
     check_model: bool = True
     """When the engine is entered, run a few positions through the model's own attention and through the path

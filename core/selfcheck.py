@@ -43,7 +43,7 @@ def reference_logits(model, sequences: list[list[int]], weights: str | None = No
     (`EngineConfig`'s): with its keys and values rounded as the cache holds them (`RoundedKV`)."""
     rows = []
     rounded = cpu_linear.QuantizedReference(model, weights) if weights else contextlib.nullcontext()
-    kv = RoundedKV(model) if kv_cache_dtype else contextlib.nullcontext()
+    kv = RoundedKV(model, torch.int8 if kv_cache_dtype == "int8" else torch.bfloat16) if kv_cache_dtype else contextlib.nullcontext()
     with rounded, kv, torch.inference_mode():
         for seq in sequences:
             logits = model(input_ids=torch.tensor([seq], device=model.device), use_cache=False).logits[0]
@@ -125,6 +125,11 @@ def check(engine: Engine, reference: list[torch.Tensor], sequences: list[list[in
         # other kernels may round to the next bf16 value. SmolLM2, the largest of the probes' differences over
         # the logits' scale: 1.5e-3 (int8 weights: 3.1e-3); with w8a8, 5.8e-2 (4.2e-2 over an fp32 cache)
         tol = 1e-1 if engine.config.weights == "w8a8" else max(tol, 1e-2)
+    if engine.cache.keys[0].dtype == torch.int8:
+        # int8 K/V: a code rounds the other way for an input moved by its last bit, and where a row's largest element
+        # is an outlier one code is a large step. SmolLM2: served and reference differ by up to 2.0% of the scale,
+        # about as much as the reference itself moves when its weights move by 1e-7 (1.3-1.6%); fp32 is 1.5-3.2% away
+        tol = 1e-1
     for i, (mine, ref) in enumerate(zip(served, reference)):
         if mine is None:
             continue

@@ -119,8 +119,9 @@ class AttentionBackend(Protocol):
 
     A backend whose ``cache_dtypes`` (a set of torch dtypes) holds ``torch.bfloat16`` reads a bf16 cache under
     queries of the model's own dtype (`EngineConfig.kv_cache_dtype`): `StepInputs.keys` / ``values`` are then bf16,
-    and the step writes the new K/V into them rounded. Without it, such a cache is refused at start-up (unless the
-    model computes in bf16 anyway).
+    and the step writes the new K/V into them rounded. With ``torch.int8``, an int8 cache: its rows ([slots,
+    kv_heads, head_dim + 4]) hold codes and a scale (`quantize_kv`), written by `cache_rows`. Without it, such a
+    cache is refused at start-up (unless the model computes in bf16 anyway, for bf16).
 
     A backend that sets ``reads_unwritten_slots = False`` reads no slot of a request's blocks past its
     context: the engine then leaves new blocks as they are, where for others it zeroes them before each step
@@ -153,10 +154,41 @@ def jitney_attention(module, query, key, value, attention_mask, scaling=None, sl
 AttentionInterface.register(ATTN_NAME, jitney_attention)
 
 
+KV8_UNIT = torch.tensor(1 / 127, dtype=torch.float32)
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` ([..., D]) as an int8 cache stores them (`EngineConfig.kv_cache_dtype="int8"`): [..., D + 4]
+    int8, D codes and then the four bytes of the row's fp32 scale; its values are code * scale (`dequantize_kv`).
+    scale = max |x| * (1 / 127), code = x * (127 / max |x|) rounded half to even: what the C++ kernels compute (the
+    same fp32 operations in the same order), so a row rounds alike on every path. A row with a NaN or an infinity
+    gets codes 0 and a NaN scale: every value it gives back is NaN."""
+    x = x.float()
+    finite = torch.isfinite(x).all(-1, keepdim=True)
+    top = x.abs().amax(-1, keepdim=True)
+    scale = torch.where(finite, top * KV8_UNIT, float("nan"))
+    # (a true division: `127 / top` would be 127 times top's reciprocal, rounded twice)
+    inv = torch.where(finite & (top > 0), torch.tensor(127.0).div(top), 0.0)
+    codes = torch.round(torch.where(finite, x, 0.0) * inv).to(torch.int8)
+    return torch.cat([codes, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(q: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of int8 cache rows ([..., D + 4] -> [..., D])."""
+    return q[..., :-4].float() * q[..., -4:].contiguous().view(torch.float32)
+
+
+def cache_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values ([..., D]) as a cache of `dtype` stores them: int8 rows with their scale, or rounded (to
+    nearest even) to a float dtype."""
+    return quantize_kv(x) if dtype == torch.int8 else x.to(dtype)
+
+
 class RoundedKV:
     """While entered, `model`'s attention (its own function: SDPA, eager, ...) reads its keys and values rounded to
-    `dtype` and widened back, as a cache of that dtype holds them (`EngineConfig.kv_cache_dtype`): torch's reference
-    for it (the start-up check's, the tests', `jitney quality`'s)."""
+    `dtype` and widened back, as a cache of that dtype holds them (`EngineConfig.kv_cache_dtype`; int8: rows
+    quantized as `quantize_kv` does): torch's reference for it (the start-up check's, the tests', `jitney
+    quality`'s)."""
 
     def __init__(self, model, dtype: torch.dtype = torch.bfloat16):
         self.model, self.dtype = model, dtype
@@ -171,7 +203,8 @@ class RoundedKV:
             def attend(module, query, key, value, attention_mask, **kwargs):
                 own = (sys.modules[type(module).__module__].eager_attention_forward if inner == "eager"
                        else ALL_ATTENTION_FUNCTIONS[inner])
-                key, value = key.to(dtype).to(key.dtype), value.to(dtype).to(value.dtype)
+                key, value = (dequantize_kv(quantize_kv(t)).to(t.dtype) if dtype == torch.int8 else t.to(dtype).to(t.dtype)
+                              for t in (key, value))
                 return own(module, query, key, value, attention_mask, **kwargs)
 
             AttentionInterface.register(name, attend)

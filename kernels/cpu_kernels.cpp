@@ -9,10 +9,12 @@
 #include <cstring>
 #include <condition_variable>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <numeric>
 #include <thread>
+#include <type_traits>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <utility>
@@ -191,26 +193,86 @@ static inline void store_row(const float* src, int64_t n, uint16_t* dst) {
   }
 }
 
-// fn(keys, values) over a layer's cache as its elements are stored: fp32, or bf16 (as their bits).
+// int8 K/V (`EngineConfig.kv_cache_dtype="int8"`): a row (one position of one KV head) holds `dim` codes and then
+// its scale's four bytes (fp32); the row's values are code * scale. scale = max |x| * (1 / 127) and code = x *
+// (127 / max |x|) rounded half to even, computed as `kernels/base.quantize_kv` computes them (the same operations
+// in the same order, so here without fast-math's rewrites): torch's reference rounds a row as this does. A row
+// with a NaN or an infinity stores codes 0 and a NaN scale: every value it gives is NaN.
+static inline float to_float(int8_t x) { return (float)x; }
+static inline v8 load8(const int8_t* p) {
+  v8 r;
+  for (int i = 0; i < 8; ++i) r[i] = (float)p[i];
+  return r;
+}
+
+// Elements of a cache row of `dim` values, and the factor its stored elements take.
+template <typename T>
+constexpr bool QUANTIZED = std::is_same_v<T, int8_t>;
+template <typename T>
+static inline int64_t row_of(int64_t dim) { return QUANTIZED<T> ? dim + 4 : dim; }
+template <typename T>
+static inline float row_scale(const T* row, int64_t dim) {
+  if constexpr (QUANTIZED<T>) {
+    float s;
+    std::memcpy(&s, row + dim, sizeof s);
+    return s;
+  } else {
+    return 1.f;
+  }
+}
+
+constexpr float KV8_UNIT = 1.0f / 127.0f;
+
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+static void __attribute__((noinline)) store_row(const float* src, int64_t n, int8_t* dst) {
+  float top = 0.f;
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t w;
+    std::memcpy(&w, src + i, sizeof w);
+    finite = finite && (w & 0x7fffffffu) < 0x7f800000u;
+    const float a = std::fabs(src[i]);
+    top = a > top ? a : top;
+  }
+  const float scale = finite ? top * KV8_UNIT : std::numeric_limits<float>::quiet_NaN();
+  const float inv = finite && top > 0.f ? 127.f / top : 0.f;
+  for (int64_t i = 0; i < n; ++i) dst[i] = (int8_t)std::nearbyint(finite ? src[i] * inv : 0.f);
+  std::memcpy(dst + n, &scale, sizeof scale);
+}
+#pragma GCC pop_options
+
+// fn(keys, values) over a layer's cache as its elements are stored: fp32, bf16 (as their bits) or int8 rows.
 template <typename F>
 static void with_cache(const torch::Tensor& k, const torch::Tensor& v, const F& fn) {
   const auto t = k.scalar_type();
-  TORCH_CHECK(v.scalar_type() == t && (t == torch::kFloat || t == torch::kBFloat16),
-              "the KV cache: fp32 or bf16, keys and values alike");
+  TORCH_CHECK(v.scalar_type() == t && (t == torch::kFloat || t == torch::kBFloat16 || t == torch::kChar),
+              "the KV cache: fp32, bf16 or int8, keys and values alike");
   if (t == torch::kFloat) fn(k.data_ptr<float>(), v.data_ptr<float>());
+  else if (t == torch::kChar) fn(k.data_ptr<int8_t>(), v.data_ptr<int8_t>());
   else fn(reinterpret_cast<uint16_t*>(k.data_ptr<at::BFloat16>()), reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>()));
+}
+
+// Rows of x ([N, D] fp32) as an int8 cache stores them ([N, D + 4]).
+torch::Tensor quantize_kv(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "quantize_kv: contiguous fp32 [N, D]");
+  const int64_t n = x.size(0), d = x.size(1);
+  auto out = torch::empty({n, d + 4}, torch::kChar);
+  for (int64_t r = 0; r < n; ++r) store_row(x.data_ptr<float>() + r * d, d, out.data_ptr<int8_t>() + r * (d + 4));
+  return out;
 }
 
 // The scores of HEADS query heads (q, one after another) against P keys (k, one after another), the first
 // `dim8` dims in vectors and the rest one by one: P * HEADS independent sums, each key loaded once for all.
 template <int P, int HEADS, typename T>
 static inline void key_scores(const float* q, const T* k, int64_t dim, int64_t dim8, float scale, float* s, int64_t ld) {
+  const int64_t rs = row_of<T>(dim);
   v8 acc[HEADS][P];
   for (int g = 0; g < HEADS; ++g)
     for (int j = 0; j < P; ++j) acc[g][j] = v8{};
   for (int64_t d = 0; d < dim8; d += 8) {
     v8 kv[P];
-    for (int j = 0; j < P; ++j) kv[j] = load8(k + j * dim + d);
+    for (int j = 0; j < P; ++j) kv[j] = load8(k + j * rs + d);
     for (int g = 0; g < HEADS; ++g) {
       const v8 qv = load8(q + g * dim + d);
       for (int j = 0; j < P; ++j) acc[g][j] += qv * kv[j];
@@ -219,8 +281,8 @@ static inline void key_scores(const float* q, const T* k, int64_t dim, int64_t d
   for (int g = 0; g < HEADS; ++g)
     for (int j = 0; j < P; ++j) {
       float sum = hsum(acc[g][j]);
-      for (int64_t d = dim8; d < dim; ++d) sum += q[g * dim + d] * to_float(k[j * dim + d]);
-      s[g * ld + j] = sum * scale;
+      for (int64_t d = dim8; d < dim; ++d) sum += q[g * dim + d] * to_float(k[j * rs + d]);
+      s[g * ld + j] = sum * scale * row_scale(k + j * rs, dim);
     }
 }
 
@@ -233,27 +295,32 @@ static inline void every_head_scores(const float* q, int64_t group, const T* k, 
   if (g < group) key_scores<P, 1>(q + g * dim, k, dim, dim8, scale, s + g * ld, ld);
 }
 
-// acc[NV] += p_i * v_i over `count` value rows (stride `dim`), NV vectors of dims from v.
+// acc[NV] += p_i * v_i over `count` value rows (stride `rs`), NV vectors of dims from v; each p_i times its row's
+// scale (s_i, at `dim` past the row's start).
 template <int NV, typename T>
-static inline void weighted_values(const float* p, const T* v, int64_t count, int64_t dim, float* out) {
+static inline void weighted_values(const float* p, const T* v, const T* s, int64_t count, int64_t dim, float* out) {
+  const int64_t rs = row_of<T>(dim);
   v8 acc[NV];
   for (int c = 0; c < NV; ++c) acc[c] = load8(out + 8 * c);
-  for (int64_t i = 0; i < count; ++i)
-    for (int c = 0; c < NV; ++c) acc[c] += p[i] * load8(v + i * dim + 8 * c);
+  for (int64_t i = 0; i < count; ++i) {
+    const float pi = p[i] * row_scale(s + i * rs, dim);
+    for (int c = 0; c < NV; ++c) acc[c] += pi * load8(v + i * rs + 8 * c);
+  }
   std::memcpy(out, acc, sizeof acc);
 }
 
 template <typename T>
-static inline void weighted_values_any(int64_t nv, const float* p, const T* v, int64_t count, int64_t dim, float* out) {
+static inline void weighted_values_any(int64_t nv, const float* p, const T* v, const T* s, int64_t count, int64_t dim,
+                                       float* out) {
   switch (nv) {
-    case 8: weighted_values<8>(p, v, count, dim, out); break;
-    case 7: weighted_values<7>(p, v, count, dim, out); break;
-    case 6: weighted_values<6>(p, v, count, dim, out); break;
-    case 5: weighted_values<5>(p, v, count, dim, out); break;
-    case 4: weighted_values<4>(p, v, count, dim, out); break;
-    case 3: weighted_values<3>(p, v, count, dim, out); break;
-    case 2: weighted_values<2>(p, v, count, dim, out); break;
-    default: weighted_values<1>(p, v, count, dim, out); break;
+    case 8: weighted_values<8>(p, v, s, count, dim, out); break;
+    case 7: weighted_values<7>(p, v, s, count, dim, out); break;
+    case 6: weighted_values<6>(p, v, s, count, dim, out); break;
+    case 5: weighted_values<5>(p, v, s, count, dim, out); break;
+    case 4: weighted_values<4>(p, v, s, count, dim, out); break;
+    case 3: weighted_values<3>(p, v, s, count, dim, out); break;
+    case 2: weighted_values<2>(p, v, s, count, dim, out); break;
+    default: weighted_values<1>(p, v, s, count, dim, out); break;
   }
 }
 
@@ -307,7 +374,7 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
     return decode_attention16(qp, q_stride, rows, heads, dim, kp, vp, kv_heads, slots, tp, width, cp, op, scale, window,
                               block_size, small, softcap, sinks);
 #endif
-  const int64_t group = heads / kv_heads, dim8 = dim / 8 * 8;
+  const int64_t group = heads / kv_heads, dim8 = dim / 8 * 8, rs = row_of<T>(dim);
   const float sc = (float)scale;
   parallel(rows * kv_heads, 1, small, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(group * dim);
@@ -319,16 +386,16 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
       scores.resize(group * n);
       const float* q0 = qp + r * q_stride + h * group * dim;
       const int64_t* table = tp + r * width;
-      const T* kh = kp + h * slots * dim;
-      const T* vh = vp + h * slots * dim;
+      const T* kh = kp + h * slots * rs;
+      const T* vh = vp + h * slots * rs;
       // fn(where the run starts in the head's storage, its first position counted from `first`, its length,
       // where the next block starts or -1) for each block's run of positions in [first, len)
       auto runs = [&](auto&& fn) {
         for (int64_t pos = first; pos < len;) {
           const int64_t b = pos / block_size, off = pos - b * block_size;
           const int64_t count = std::min(len - pos, block_size - off);
-          const int64_t next = pos + count < len ? table[b + 1] * block_size * dim : -1;
-          fn((table[b] * block_size + off) * dim, pos - first, count, next);
+          const int64_t next = pos + count < len ? table[b + 1] * block_size * rs : -1;
+          fn((table[b] * block_size + off) * rs, pos - first, count, next);
           pos += count;
         }
       };
@@ -338,10 +405,10 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
         int64_t i = 0;
         for (; i + 4 <= count; i += 4) {
           if (next >= 0)  // the same positions of the next block
-            for (int64_t b = i * dim; b < (i + 4) * dim; b += 16) __builtin_prefetch(kh + next + b);
-          every_head_scores<4>(q0, group, k + i * dim, dim, dim8, sc, s + i, n);
+            for (int64_t b = i * rs; b < (i + 4) * rs; b += 16) __builtin_prefetch(kh + next + b);
+          every_head_scores<4>(q0, group, k + i * rs, dim, dim8, sc, s + i, n);
         }
-        for (; i < count; ++i) every_head_scores<1>(q0, group, k + i * dim, dim, dim8, sc, s + i, n);
+        for (; i < count; ++i) every_head_scores<1>(q0, group, k + i * rs, dim, dim8, sc, s + i, n);
       });
       std::vector<float> total(group, 0.f);
       for (int64_t g = 0; g < group; ++g) {
@@ -357,11 +424,12 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
         runs([&](int64_t at, int64_t i0, int64_t count, int64_t next) {
           const T* v = vh + at;
           if (g == 0 && next >= 0)
-            for (int64_t b = 0; b < count * dim; b += 16) __builtin_prefetch(vh + next + b);
+            for (int64_t b = 0; b < count * rs; b += 16) __builtin_prefetch(vh + next + b);
           for (int64_t d = 0; d < dim8; d += 64)
-            weighted_values_any(std::min<int64_t>(8, (dim8 - d) / 8), sg + i0, v + d, count, dim, ag + d);
+            weighted_values_any(std::min<int64_t>(8, (dim8 - d) / 8), sg + i0, v + d, v, count, dim, ag + d);
           for (int64_t d = dim8; d < dim; ++d)
-            for (int64_t i = 0; i < count; ++i) ag[d] += sg[i0 + i] * to_float(v[i * dim + d]);
+            for (int64_t i = 0; i < count; ++i)
+              ag[d] += sg[i0 + i] * row_scale(v + i * rs, dim) * to_float(v[i * rs + d]);
         });
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -396,6 +464,9 @@ static inline __m512 load512(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+static inline __m512 load512(const int8_t* p) {  // codes of an int8 row (its scale not applied)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 // Sixteen rows of 16 floats transposed in registers: r[i] lane j becomes r[j] lane i (pairs of lanes interleaved,
 // then pairs of pairs, then 128-bit quarters gathered from four vectors).
@@ -424,6 +495,13 @@ static inline void transpose16(__m512* r) {
 // Elements of type T in a cache line.
 template <typename T>
 constexpr int64_t LINE = 64 / sizeof(T);
+
+// A cache row's lines into L2 (an int8 row's scale may lie in the line after its codes').
+template <typename T>
+static inline void prefetch_row(const T* row, int64_t dim) {
+  for (int64_t l = 0; l < dim; l += LINE<T>) prefetch_l2(row + l);
+  if constexpr (QUANTIZED<T>) prefetch_l2(row + dim + 3);
+}
 
 template <int P>
 static inline __m512 fold(__m512 a, __m512 b) {
@@ -461,14 +539,19 @@ static inline void group_scores(const float* q, int64_t dim, const T* const* k, 
     // ~240 positions, SmolLM2's 30 layers' caches, the same process alternating: 30.5 -> 31.6 GB/s)
     __m512 a[HEADS], b[HEADS], first[HEADS];
     for (int quad = 0; quad < 4; ++quad) {
-      for (int64_t j = i + 4 * quad + ahead; j < std::min(n16, i + 4 * quad + ahead + 4); ++j)
-        for (int64_t l = 0; l < dim; l += LINE<T>) prefetch_l2(k[j] + l);
+      for (int64_t j = i + 4 * quad + ahead; j < std::min(n16, i + 4 * quad + ahead + 4); ++j) prefetch_row(k[j], dim);
       quad_scores<HEADS>(q, dim, k + i + 4 * quad, quad % 2 ? b : a);
       if (quad == 1)
         for (int g = 0; g < HEADS; ++g) first[g] = fold<4>(a[g], b[g]);
     }
+    __m512 factor = sc;
+    if constexpr (QUANTIZED<T>) {  // each key's scale
+      alignas(64) float ks[16];
+      for (int j = 0; j < 16; ++j) ks[j] = row_scale(k[i + j], dim);
+      factor = _mm512_mul_ps(sc, _mm512_load_ps(ks));
+    }
     for (int g = 0; g < HEADS; ++g)
-      _mm512_storeu_ps(s + g * ld + i, _mm512_mul_ps(sc, fold<2>(first[g], fold<4>(a[g], b[g]))));
+      _mm512_storeu_ps(s + g * ld + i, _mm512_mul_ps(factor, fold<2>(first[g], fold<4>(a[g], b[g]))));
   }
 }
 
@@ -481,12 +564,15 @@ static inline void group_values(const float* w, int64_t ld, const T* const* v, i
   for (int g = 0; g < HEADS; ++g)
     for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    if (i + ahead < n)
+    if (i + ahead < n) {
       for (int c = 0; c < NV; ++c) prefetch_l2(v[i + ahead] + d0 + 16 * c);
+      if constexpr (QUANTIZED<T>) prefetch_l2(v[i + ahead] + dim + 3);
+    }
     __m512 vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = load512(v[i] + d0 + 16 * c);
+    const float vs = row_scale(v[i], dim);
     for (int g = 0; g < HEADS; ++g) {
-      const __m512 p = _mm512_set1_ps(w[g * ld + i]);
+      const __m512 p = _mm512_set1_ps(w[g * ld + i] * vs);
       for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
     }
   }
@@ -520,13 +606,13 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
   // keys (value rows) prefetched ahead, two blocks at `block_size` 16: 64 rows at 300 positions, best of 20, three
   // alternating processes, 16 / 32 / 64 ahead: 1175-1392 / 1099-1130 / 1135-1241 us a layer
   constexpr int64_t AHEAD = 32;
-  const int64_t group = heads / kv_heads, tasks = rows * kv_heads;
+  const int64_t group = heads / kv_heads, tasks = rows * kv_heads, rs = row_of<T>(dim);
   const float sc = (float)scale;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
   std::atomic<int64_t> next{0};
   parallel(threads, 1, small, [&](int64_t, int64_t) {
     std::vector<float> scores, acc(group * dim), total(group);
-    std::vector<T> zeros(dim, T{});  // (+0.0 in fp32 and in bf16)
+    std::vector<T> zeros(rs, T{});  // (+0.0 in fp32 and in bf16; int8 codes 0 at scale 0)
     std::vector<const T*> krows, vrows;
     for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int64_t r = task / kv_heads, h = task % kv_heads;
@@ -537,14 +623,14 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
       krows.resize(n16);
       vrows.resize(n);
       const int64_t* table = tp + r * width;
-      const T* kh = kp + h * slots * dim;
-      const T* vh = vp + h * slots * dim;
+      const T* kh = kp + h * slots * rs;
+      const T* vh = vp + h * slots * rs;
       for (int64_t pos = first, i = 0; pos < len;) {  // block by block (no division a key)
         const int64_t b = pos / block_size, off = pos - b * block_size, count = std::min(len - pos, block_size - off);
-        const int64_t at = (table[b] * block_size + off) * dim;
+        const int64_t at = (table[b] * block_size + off) * rs;
         for (int64_t c = 0; c < count; ++c, ++i) {
-          krows[i] = kh + at + c * dim;
-          vrows[i] = vh + at + c * dim;
+          krows[i] = kh + at + c * rs;
+          vrows[i] = vh + at + c * rs;
         }
         pos += count;
       }
@@ -559,8 +645,7 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
         else group_scores<1>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD);
         g += take;
       }
-      for (int64_t i = 0; i < std::min<int64_t>(n, AHEAD); ++i)  // the first value rows, while the weights compute
-        for (int64_t l = 0; l < dim; l += LINE<T>) prefetch_l2(vrows[i] + l);
+      for (int64_t i = 0; i < std::min<int64_t>(n, AHEAD); ++i) prefetch_row(vrows[i], dim);  // while the weights compute
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * n16;
         if (softcap > 0.f) soft_cap(sg, n, softcap);
@@ -608,6 +693,8 @@ void paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
               "paged_decode: fp32 queries, int64 tables and lengths");
   const int64_t heads = q.size(1), dim = q.size(2);
   with_cache(k, v, [&](const auto* kp, const auto* vp) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(kp)>>;
+    TORCH_CHECK(k.size(2) == row_of<T>(dim) && v.sizes() == k.sizes(), "paged_decode: cache rows of the queries' dim");
     decode_attention(q.data_ptr<float>(), heads * dim, q.size(0), heads, dim, kp, vp, k.size(0), k.size(1),
                      tables.data_ptr<int64_t>(), tables.size(1), ctx.data_ptr<int64_t>(), out.data_ptr<float>(), scale,
                      window, block_size, q.size(0) <= 2, (float)softcap, sinks_of(sinks, q));
@@ -1614,7 +1701,7 @@ static void prefill_attention(const float* qp, int64_t q_stride, int64_t rows_in
                               float* op, double scale, int64_t window, int64_t block_size, float softcap = 0.f,
                               const float* sinks = nullptr) {
   constexpr int64_t ROWS = 8, KEYS = PANEL, SPAN = 4 * KEYS;
-  const int64_t group = heads / kv_heads, dim_panels = (dim + PANEL - 1) / PANEL;
+  const int64_t group = heads / kv_heads, dim_panels = (dim + PANEL - 1) / PANEL, rs = row_of<T>(dim);
   const int64_t panel_floats = dim_panels * PANEL * KEYS;  // one group of 16 keys (or of their values)
   // per chunk and KV head: its key groups' panels, [groups][dim][16], then its values, [dim / 16][keys][16]
   // each chunk's groups of 16 key positions [first_group, ctx / 16], and where its panels start
@@ -1662,14 +1749,29 @@ static void prefill_attention(const float* qp, int64_t q_stride, int64_t rows_in
           const int64_t pos = (first_group[j] + g) * KEYS + count;
           if (pos >= cp[j]) break;
           const int64_t slot = tp[j * width + pos / block_size] * block_size + pos % block_size;
-          krow[count] = kp + (h * slots + slot) * dim;
-          vrow[count] = vp + (h * slots + slot) * dim;
+          krow[count] = kp + (h * slots + slot) * rs;
+          vrow[count] = vp + (h * slots + slot) * rs;
+        }
+        __m512 ks[KEYS], vs[KEYS];  // each row's scale
+        for (int64_t c = 0; c < count; ++c) {
+          ks[c] = _mm512_set1_ps(row_scale(krow[c], dim));
+          vs[c] = _mm512_set1_ps(row_scale(vrow[c], dim));
         }
         for (int64_t p = 0; p < dim_panels; ++p) {
           __m512 r[KEYS];
           for (int64_t c = 0; c < KEYS; ++c) {
-            r[c] = c < count ? load512(krow[c] + p * PANEL) : _mm512_setzero_ps();
-            _mm512_storeu_ps(vt + p * panel_stride + c * PANEL, c < count ? load512(vrow[c] + p * PANEL) : _mm512_setzero_ps());
+            if (c < count) {
+              r[c] = load512(krow[c] + p * PANEL);
+              __m512 v = load512(vrow[c] + p * PANEL);
+              if constexpr (QUANTIZED<T>) {
+                r[c] = _mm512_mul_ps(r[c], ks[c]);
+                v = _mm512_mul_ps(v, vs[c]);
+              }
+              _mm512_storeu_ps(vt + p * panel_stride + c * PANEL, v);
+            } else {
+              r[c] = _mm512_setzero_ps();
+              _mm512_storeu_ps(vt + p * panel_stride + c * PANEL, r[c]);
+            }
           }
           transpose16(r);
           for (int64_t d = 0; d < PANEL; ++d) _mm512_storeu_ps(kt + (p * PANEL + d) * KEYS, r[d]);
@@ -1683,11 +1785,12 @@ static void prefill_attention(const float* qp, int64_t q_stride, int64_t rows_in
         const int64_t pos = (first_group[j] + g) * KEYS + c;
         if (pos >= cp[j]) break;
         const int64_t slot = tp[j * width + pos / block_size] * block_size + pos % block_size;
-        const T* kr = kp + (h * slots + slot) * dim;
-        const T* vr = vp + (h * slots + slot) * dim;
+        const T* kr = kp + (h * slots + slot) * rs;
+        const T* vr = vp + (h * slots + slot) * rs;
+        const float ks = row_scale(kr, dim), vs = row_scale(vr, dim);
         for (int64_t d = 0; d < dim; ++d) {
-          kt[d * KEYS + c] = to_float(kr[d]);
-          vt[(d / PANEL) * panel_stride + c * PANEL + d % PANEL] = to_float(vr[d]);
+          kt[d * KEYS + c] = to_float(kr[d]) * ks;
+          vt[(d / PANEL) * panel_stride + c * PANEL + d % PANEL] = to_float(vr[d]) * vs;
         }
       }
     }
@@ -1802,6 +1905,8 @@ void paged_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k.size(0);
   TORCH_CHECK(heads % kv_heads == 0 && out.sizes() == q.sizes(), "paged_prefill: shapes");
   with_cache(k, v, [&](const auto* kp, const auto* vp) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(kp)>>;
+    TORCH_CHECK(k.size(2) == row_of<T>(dim) && v.sizes() == k.sizes(), "paged_prefill: cache rows of the queries' dim");
     prefill_attention(q.data_ptr<float>(), heads * dim, q.size(0), heads, dim, kp, vp, kv_heads, k.size(1),
                       tables.data_ptr<int64_t>(), tables.size(1), ctx.data_ptr<int64_t>(), qlens.data_ptr<int64_t>(),
                       starts.data_ptr<int64_t>(), tables.size(0), out.data_ptr<float>(), scale, window, block_size,
@@ -2459,8 +2564,9 @@ class FusedDecoder {
       const Layer& l = layers_[i];
       torch::Tensor& kc = keys[i];
       torch::Tensor& vc = values[i];
-      TORCH_CHECK(kc.dim() == 3 && kc.size(1) == kvh && kc.size(2) == d && kc.stride(2) == 1 && kc.stride(0) == d &&
-                  kc.stride(1) == kc.size(0) * d && vc.strides() == kc.strides() && vc.sizes() == kc.sizes(),
+      const int64_t rd = kc.scalar_type() == torch::kChar ? d + 4 : d;  // a cache row's elements
+      TORCH_CHECK(kc.dim() == 3 && kc.size(1) == kvh && kc.size(2) == rd && kc.stride(2) == 1 && kc.stride(0) == rd &&
+                  kc.stride(1) == kc.size(0) * rd && vc.strides() == kc.strides() && vc.sizes() == kc.sizes(),
                   "FusedDecoder: head-major cache");
       const int64_t slots_per_head = kc.size(0), g = group_of_layer[i], width = tables[g].size(1);
       const int64_t* tp = tables[g].data_ptr<int64_t>();
@@ -2477,8 +2583,8 @@ class FusedDecoder {
           const float* kr = y.get() + r * qkv_width + h * d;
           const float* vr = kr + kvh * d;
           for (int64_t j = 0; j < kvh; ++j) {
-            store_row(kr + j * d, d, kp + (j * slots_per_head + slots[g][r]) * d);
-            store_row(vr + j * d, d, vp + (j * slots_per_head + slots[g][r]) * d);
+            store_row(kr + j * d, d, kp + (j * slots_per_head + slots[g][r]) * rd);
+            store_row(vr + j * d, d, vp + (j * slots_per_head + slots[g][r]) * rd);
           }
         }
         const auto attention_start = std::chrono::steady_clock::now();
@@ -2592,6 +2698,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode", &paged_decode, nogil);
   m.def("paged_prefill", &paged_prefill, nogil);
+  m.def("quantize_kv", &quantize_kv, nogil);
   m.def("pack_panels", &pack_panels);
   m.def("pack_panels_gated", &pack_panels_gated);
   m.def("pack_panels_int8", &pack_panels_int8);

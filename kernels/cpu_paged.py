@@ -13,13 +13,14 @@ from jitney.kernels.torch_paged import TorchPagedAttention, _TorchStep
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """fp32 attention reading the cache (fp32 or bf16) in place; the K/V writes as `TorchPagedAttention`. Its
+    """fp32 attention reading the cache (fp32, bf16 or int8) in place; the K/V writes as `TorchPagedAttention`. Its
     kernels read only the positions of each request's context, so new blocks need no zeroing (which took ~3% of
     the forward thread's time on mixed-64)."""
 
     reads_unwritten_slots = False
-    # fp32 queries over bf16 K/V (`EngineConfig.kv_cache_dtype`), widened exactly as they are read
-    cache_dtypes = frozenset({torch.bfloat16})
+    # fp32 queries over bf16 K/V (`EngineConfig.kv_cache_dtype`), widened exactly as they are read, or over int8
+    # rows, each code times its row's scale
+    cache_dtypes = frozenset({torch.bfloat16, torch.int8})
     # Each row's sums in an order fixed by its own context (a decode's by the decode kernel, a prompt's rows by the
     # prefill kernel however the prompt is chunked: see `StepExecutor._mixed_rows`).
     batch_invariant = True

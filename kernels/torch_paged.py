@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from jitney.cache.manager import blocks_view
-from jitney.kernels.base import StepInputs, int_tensor
+from jitney.kernels.base import StepInputs, cache_rows, int_tensor
 
 
 class TorchPagedAttention:
@@ -114,9 +114,9 @@ class _TorchStep:
         kc, vc = self.keys[layer], self.values[layer]
         # [1, KVH, T, D] -> [T, KVH, D] is a view of transformers' own layout, so this copy is contiguous.
         k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)
-        # (a cache of another dtype, `EngineConfig.kv_cache_dtype`, holds them rounded: to nearest even)
-        kc.index_copy_(0, self.write_slots[g], k_new.to(kc.dtype))
-        vc.index_copy_(0, self.write_slots[g], v_new.to(vc.dtype))
+        # (a cache of another dtype, `EngineConfig.kv_cache_dtype`, holds them rounded, or as int8 rows)
+        kc.index_copy_(0, self.write_slots[g], cache_rows(k_new, kc.dtype))
+        vc.index_copy_(0, self.write_slots[g], cache_rows(v_new, vc.dtype))
         q = query[0]  # [H, T, D]
         if not self.np:  # decode rows only
             return self._decode(g, kc, vc, q, scaling, sliding_window, softcap, sinks).unsqueeze(0)

@@ -59,7 +59,7 @@ def test_the_attainable_bound_is_each_steps_compute_or_its_reads():
     assert attainable_seconds(model, [one], 1e9, 1.0, None, 2) == pytest.approx((weight_bytes(model) + 50 * kv) / 1e9)
 
 
-def test_bench_runs_jitney_over_a_bf16_cache(tmp_path):
+def test_bench_runs_jitney_over_a_bf16_or_int8_cache(tmp_path):
     import transformers as T
     from support import scaled_tiny
 
@@ -67,10 +67,11 @@ def test_bench_runs_jitney_over_a_bf16_cache(tmp_path):
     scaled_tiny(T.LlamaConfig, T.LlamaForCausalLM, num_key_value_heads=2).save_pretrained(tmp_path / "tiny")
     out = tmp_path / "bench.json"
     bench = ["bench", "--model", str(tmp_path / "tiny"), "--workload", "mixed-16", "--json", str(out)]
-    assert cli([*bench, "--modes", "jitney,jitney-kvbf16"]) == 0
-    plain, bf16 = json.loads(out.read_text())["rows"]
-    assert bf16["mode"] == "jitney-kvbf16" and bf16["output_tok_s"] > 0 and bf16["attainable_share"] > 0
-    assert bf16["same_tokens_as_first"] < 1
+    assert cli([*bench, "--modes", "jitney,jitney-kvbf16,jitney-kvint8"]) == 0
+    plain, bf16, int8 = json.loads(out.read_text())["rows"]
+    for row, mode in ((bf16, "jitney-kvbf16"), (int8, "jitney-kvint8")):
+        assert row["mode"] == mode and row["output_tok_s"] > 0 and row["attainable_share"] > 0
+        assert row["same_tokens_as_first"] < 1
     # every jitney mode over a bf16 cache: jitney's tokens are then jitney-kvbf16's
     assert cli([*bench, "--modes", "jitney-kvbf16,jitney", "--kv-cache-dtype", "bf16"]) == 0
     assert [r["same_tokens_as_first"] for r in json.loads(out.read_text())["rows"]] == [1.0, 1.0]
