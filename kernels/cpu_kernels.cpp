@@ -226,6 +226,27 @@ constexpr float KV8_UNIT = 1.0f / 127.0f;
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
 static void __attribute__((noinline)) store_row(const float* src, int64_t n, int8_t* dst) {
+#ifdef __AVX512F__
+  if (n % 16 == 0) {  // (scalar: 6,120 rows of 64, a 34-row decode step's for SmolLM2, took 1.7-2.0 ms)
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), infinity = _mm512_set1_epi32(0x7f800000);
+    __m512 most = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512i w = _mm512_and_si512(_mm512_loadu_si512(src + i), magnitude);
+      bad |= _mm512_cmpge_epu32_mask(w, infinity);
+      most = _mm512_max_ps(most, _mm512_castsi512_ps(w));
+    }
+    const float top = _mm512_reduce_max_ps(most);
+    const float scale = bad ? std::numeric_limits<float>::quiet_NaN() : top * KV8_UNIT;
+    const __m512 inv = _mm512_set1_ps(!bad && top > 0.f ? 127.f / top : 0.f);
+    for (int64_t i = 0; i < n; i += 16) {  // rounded half to even (the default rounding mode), then narrowed
+      const __m512i code = bad ? _mm512_setzero_si512() : _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + i), inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtsepi32_epi8(code));
+    }
+    std::memcpy(dst + n, &scale, sizeof scale);
+    return;
+  }
+#endif
   float top = 0.f;
   bool finite = true;
   for (int64_t i = 0; i < n; ++i) {
