@@ -101,12 +101,23 @@ async def run(model, work, **config) -> list[list[int]]:
     return await engine_tokens(model, work, **{"kv_cache_dtype": "int8", **config})
 
 
+MODELS = {  # (scaled: rounding the keys and values changes tokens)
+    "llama": llama,
+    "mistral window": lambda: scaled_tiny(T.MistralConfig, T.MistralForCausalLM, num_key_value_heads=1, sliding_window=8),
+    "gemma2 softcap": lambda: scaled_tiny(T.Gemma2Config, T.Gemma2ForCausalLM, num_key_value_heads=2, head_dim=16,
+                                          attn_logit_softcapping=8.0, sliding_window=8, tie_word_embeddings=False,
+                                          query_pre_attn_scalar=16),
+    "phi3": lambda: scaled_tiny(T.Phi3Config, T.Phi3ForCausalLM, num_key_value_heads=2),  # packed linears, torch layers
+}
+
+
 @pytest.mark.parametrize("fuse", [None, False], ids=["default", "not fused"])
-async def test_tokens_are_close_to_generates_over_the_same_rounding(fuse):
+@pytest.mark.parametrize("name", list(MODELS))
+async def test_tokens_are_close_to_generates_over_the_same_rounding(name, fuse):
     """Tokens are not `generate`'s bit for bit (a code rounds the other way for an input one bit apart, and greedy
-    text then parts): measured, each request's tokens agree with the reference's at most positions, and the
-    first tokens (before any parting) agree."""
-    model = llama()
+    text then parts): what is owed is agreement at most positions and on each request's first token (these tiny
+    models' tokens all agree today, SmolLM2's start-up probes differ by 2% of the logits' scale)."""
+    model = MODELS[name]()
     work = random_requests(8, model.config.vocab_size, max_prompt=40, max_new=20, seed=3)
     fp32 = [reference(model, p, n) for p, n in work]
     with RoundedKV(model, torch.int8):
