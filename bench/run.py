@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="jitney,hf-cb,hf-static",
                         help="comma-separated: jitney, jitney-nocache (prefix caching off), jitney-nospec "
                              "(speculative decoding off), jitney-unfused (transformers' layers over the packed linears, no one-call decoder), jitney-int8 / jitney-w8a8 / jitney-bf16 (int8 weights / and activations / bf16 weights), "
-                             "jitney-kvbf16 / jitney-kvint8 (a bf16 / int8 KV cache), jitney-noscreen (every logit of greedy rows computed), "
+                             "jitney-kvbf16 / jitney-kvint8 (a bf16 / int8 KV cache), "
+                             "jitney-noscreen (every logit of greedy rows computed), "
                              "hf-cb (transformers continuous batching), hf-static (transformers generate), llama-cpp / llama-cpp-q4 (llama.cpp on the same weights in F32 "
                              "/ the embedded Q4_1; `make bench-peers`)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies: one jitney run each")
@@ -147,8 +148,8 @@ def attainable_seconds(model, shapes: list[list[float]], gflops: float, gbps: fl
     at the matmul peak `gflops`, and at least its reads at the memory read rate `gbps`: every weight once (the
     packed copy's bytes: `weights` "int8" / "w8a8" a quarter of fp32's, "bf16" half; a speculative step's
     draft passes an int8 copy each) and the KV blocks its decode rows read (distinct ones once; `kv_itemsize`
-    bytes an element: 2 for a bf16 cache, 68 / 64 for int8 rows of 64 codes and a scale). Summed over steps, the longer of the two each: compute and memory
-    overlapped perfectly, nothing else counted."""
+    bytes an element: 2 for a bf16 cache, 68 / 64 for int8 rows of 64 codes and a scale). Summed over steps, the
+    longer of the two each: compute and memory overlapped perfectly, nothing else counted."""
     from jitney.bench.profile import FEATURES
 
     mc = model.config.get_text_config()
@@ -201,7 +202,8 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
     stats.recorder = StepRecorder(engine.executor)  # (each step's shape, for `attainable_seconds`)
     k0, mc = engine.cache.keys[0], model.config.get_text_config()
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    stats.weights, stats.kv_itemsize = config.weights, k0.element_size() * k0.shape[-1] / head_dim  # (an int8 row's scale)
+    # (bytes an element: an int8 row's scale counted in)
+    stats.weights, stats.kv_itemsize = config.weights, k0.element_size() * k0.shape[-1] / head_dim
     arrivals = getattr(args, "arrivals", None)
     out: list[list[int]] = [[] for _ in work]
 

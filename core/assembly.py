@@ -47,8 +47,9 @@ def kv_cache_dtype(cfg: EngineConfig, backend, name: str, computed: torch.dtype)
     if dtype != computed and dtype not in getattr(backend, "cache_dtypes", ()):
         raise ValueError(
             f"EngineConfig.kv_cache_dtype={cfg.kv_cache_dtype!r}: the attention backend {name!r} does not read "
-            f"{'an' if cfg.kv_cache_dtype == 'int8' else 'a'} {cfg.kv_cache_dtype} cache under {str(computed).removeprefix('torch.')} queries (the 'cpu' backend does: an "
-            "fp32 model on CPU where jitney's C++ kernels build)")
+            f"{'an' if cfg.kv_cache_dtype == 'int8' else 'a'} {cfg.kv_cache_dtype} cache under "
+            f"{str(computed).removeprefix('torch.')} queries (the 'cpu' backend does: an fp32 model on CPU where "
+            "jitney's C++ kernels build)")
     return dtype
 
 

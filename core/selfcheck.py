@@ -43,7 +43,8 @@ def reference_logits(model, sequences: list[list[int]], weights: str | None = No
     (`EngineConfig`'s): with its keys and values rounded as the cache holds them (`RoundedKV`)."""
     rows = []
     rounded = cpu_linear.QuantizedReference(model, weights) if weights else contextlib.nullcontext()
-    kv = RoundedKV(model, torch.int8 if kv_cache_dtype == "int8" else torch.bfloat16) if kv_cache_dtype else contextlib.nullcontext()
+    kv = (RoundedKV(model, torch.int8 if kv_cache_dtype == "int8" else torch.bfloat16) if kv_cache_dtype
+          else contextlib.nullcontext())
     with rounded, kv, torch.inference_mode():
         for seq in sequences:
             logits = model(input_ids=torch.tensor([seq], device=model.device), use_cache=False).logits[0]

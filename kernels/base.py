@@ -162,13 +162,14 @@ def quantize_kv(x: torch.Tensor) -> torch.Tensor:
     int8, D codes and then the four bytes of the row's fp32 scale; its values are code * scale (`dequantize_kv`).
     scale = max |x| * (1 / 127), code = x * (127 / max |x|) rounded half to even: what the C++ kernels compute (the
     same fp32 operations in the same order), so a row rounds alike on every path. A row with a NaN or an infinity
-    gets codes 0 and a NaN scale: every value it gives back is NaN."""
+    gets codes 0 and a NaN scale: every value it gives back is NaN; one whose largest magnitude is below 2^-120
+    (where 127 / max |x| would overflow) gets codes 0: values 0."""
     x = x.float()
     finite = torch.isfinite(x).all(-1, keepdim=True)
     top = x.abs().amax(-1, keepdim=True)
     scale = torch.where(finite, top * KV8_UNIT, float("nan"))
     # (a true division: `127 / top` would be 127 times top's reciprocal, rounded twice)
-    inv = torch.where(finite & (top > 0), torch.tensor(127.0).div(top), 0.0)
+    inv = torch.where(finite & (top >= 2.0**-120), torch.tensor(127.0).div(top), 0.0)
     codes = torch.round(torch.where(finite, x, 0.0) * inv).to(torch.int8)
     return torch.cat([codes, scale.view(torch.int8)], dim=-1)
 
@@ -203,8 +204,8 @@ class RoundedKV:
             def attend(module, query, key, value, attention_mask, **kwargs):
                 own = (sys.modules[type(module).__module__].eager_attention_forward if inner == "eager"
                        else ALL_ATTENTION_FUNCTIONS[inner])
-                key, value = (dequantize_kv(quantize_kv(t)).to(t.dtype) if dtype == torch.int8 else t.to(dtype).to(t.dtype)
-                              for t in (key, value))
+                key, value = (dequantize_kv(quantize_kv(t)).to(t.dtype) if dtype == torch.int8
+                              else t.to(dtype).to(t.dtype) for t in (key, value))
                 return own(module, query, key, value, attention_mask, **kwargs)
 
             AttentionInterface.register(name, attend)

@@ -197,7 +197,8 @@ static inline void store_row(const float* src, int64_t n, uint16_t* dst) {
 // its scale's four bytes (fp32); the row's values are code * scale. scale = max |x| * (1 / 127) and code = x *
 // (127 / max |x|) rounded half to even, computed as `kernels/base.quantize_kv` computes them (the same operations
 // in the same order, so here without fast-math's rewrites): torch's reference rounds a row as this does. A row
-// with a NaN or an infinity stores codes 0 and a NaN scale: every value it gives is NaN.
+// with a NaN or an infinity stores codes 0 and a NaN scale: every value it gives is NaN; a row whose largest
+// magnitude is below 2^-120 (where 127 / max |x| would overflow) stores codes 0: values 0.
 static inline float to_float(int8_t x) { return (float)x; }
 static inline v8 load8(const int8_t* p) {
   v8 r;
@@ -221,7 +222,7 @@ static inline float row_scale(const T* row, int64_t dim) {
   }
 }
 
-constexpr float KV8_UNIT = 1.0f / 127.0f;
+constexpr float KV8_UNIT = 1.0f / 127.0f, KV8_SMALLEST = 0x1p-120f;
 
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
@@ -238,7 +239,7 @@ static void __attribute__((noinline)) store_row(const float* src, int64_t n, int
     }
     const float top = _mm512_reduce_max_ps(most);
     const float scale = bad ? std::numeric_limits<float>::quiet_NaN() : top * KV8_UNIT;
-    const __m512 inv = _mm512_set1_ps(!bad && top > 0.f ? 127.f / top : 0.f);
+    const __m512 inv = _mm512_set1_ps(!bad && top >= KV8_SMALLEST ? 127.f / top : 0.f);
     for (int64_t i = 0; i < n; i += 16) {  // rounded half to even (the default rounding mode), then narrowed
       const __m512i code = bad ? _mm512_setzero_si512() : _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + i), inv));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm512_cvtsepi32_epi8(code));
@@ -253,12 +254,12 @@ static void __attribute__((noinline)) store_row(const float* src, int64_t n, int
     uint32_t w;
     std::memcpy(&w, src + i, sizeof w);
     finite = finite && (w & 0x7fffffffu) < 0x7f800000u;
-    const float a = std::fabs(src[i]);
+    const float a = __builtin_fabsf(src[i]);
     top = a > top ? a : top;
   }
   const float scale = finite ? top * KV8_UNIT : std::numeric_limits<float>::quiet_NaN();
-  const float inv = finite && top > 0.f ? 127.f / top : 0.f;
-  for (int64_t i = 0; i < n; ++i) dst[i] = (int8_t)std::nearbyint(finite ? src[i] * inv : 0.f);
+  const float inv = finite && top >= KV8_SMALLEST ? 127.f / top : 0.f;
+  for (int64_t i = 0; i < n; ++i) dst[i] = (int8_t)__builtin_nearbyintf(finite ? src[i] * inv : 0.f);
   std::memcpy(dst + n, &scale, sizeof scale);
 }
 #pragma GCC pop_options

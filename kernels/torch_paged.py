@@ -195,8 +195,8 @@ class _RowStep:
     def __call__(self, layer, query, key, value, scaling, sliding_window, *, softcap=None, sinks=None):
         g = self.group_of_layer[layer]
         kc, vc = self.keys[layer], self.values[layer]
-        kc.index_copy_(0, self.write_slots[g], key[0].transpose(0, 1))
-        vc.index_copy_(0, self.write_slots[g], value[0].transpose(0, 1))
+        kc.index_copy_(0, self.write_slots[g], cache_rows(key[0].transpose(0, 1), kc.dtype))
+        vc.index_copy_(0, self.write_slots[g], cache_rows(value[0].transpose(0, 1), vc.dtype))
         heads, t, dim = query.shape[1:]
         kvh = kc.shape[1]
         q = query[0].transpose(0, 1).float().view(t, kvh, heads // kvh, dim) * scaling

@@ -19,12 +19,15 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="an int8 cache ne
 
 
 def rows(n: int, dim: int, seed: int = 0) -> torch.Tensor:
-    """Rows of many magnitudes, some with an outlier, a few exact halves of a code, zeros and non-finite ones."""
+    """Rows of many magnitudes, some with an outlier, a few exact halves of a code, zeros, rows too small to scale
+    (127 over their largest magnitude overflows) and non-finite ones."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, dim, generator=g) * 10 ** (torch.rand(n, 1, generator=g) * 10 - 6)
     x[: n // 8, 0] *= 50  # an outlier dimension
     x[n // 8 : n // 4] = torch.randint(-254, 255, (n // 4 - n // 8, dim), generator=g).float() / 2  # ties at x.5 codes
     x[-1], x[-2], x[-3, 1], x[-4, 2] = 0.0, -0.0, float("nan"), float("-inf")
+    x[-5] *= 1e-38 / x[-5].abs().max()  # (subnormal elements too)
+    x[-6] = torch.linspace(-1, 1, dim) * 2.0**-120  # the smallest row that is scaled
     return x
 
 
@@ -37,9 +40,10 @@ def test_the_kernels_round_a_row_as_torchs_reference_does(dim):
     values = dequantize_kv(ref)
     finite = torch.isfinite(x).all(-1)
     assert values[~finite].isnan().all()  # a NaN or an infinity poisons its row, never its neighbours
-    top = x[finite].abs().amax(-1, keepdim=True)
-    assert ((values[finite] - x[finite]).abs() <= top / 254 * (1 + 1e-5)).all()  # half a code at most
-    assert (values[-2:] == 0).all()
+    normal = finite & (x.abs().amax(-1) >= 2.0**-100)  # (smaller rows' scales are subnormal: fewer bits)
+    top = x[normal].abs().amax(-1, keepdim=True)
+    assert ((values[normal] - x[normal]).abs() <= top / 254 * (1 + 1e-5)).all()  # half a code at most
+    assert (values[-2:] == 0).all() and (values[-5] == 0).all() and (values[-6] != 0).any()
 
 
 def _paged(dim: int, seed: int = 0):
@@ -89,8 +93,8 @@ def test_decode_and_prefill_kernels_attend_over_the_rows_values(dim, window, sof
     want = _reference(qp, exact_k, exact_v, tables, ctx, bs, starts, qlens, scale, window, softcap)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="cache rows of the queries' dim"):  # int8 rows without their scales
-        kernel.paged_decode(q, k8[..., :-4].contiguous(), v8[..., :-4].contiguous(), tables, ctx, out[: len(ctx)], scale,
-                            0, bs, 0.0, None)
+        kernel.paged_decode(q, k8[..., :-4].contiguous(), v8[..., :-4].contiguous(), tables, ctx, out[: len(ctx)],
+                            scale, 0, bs, 0.0, None)
 
 
 def llama():
@@ -103,7 +107,8 @@ async def run(model, work, **config) -> list[list[int]]:
 
 MODELS = {  # (scaled: rounding the keys and values changes tokens)
     "llama": llama,
-    "mistral window": lambda: scaled_tiny(T.MistralConfig, T.MistralForCausalLM, num_key_value_heads=1, sliding_window=8),
+    "mistral window": lambda: scaled_tiny(T.MistralConfig, T.MistralForCausalLM, num_key_value_heads=1,
+                                          sliding_window=8),
     "gemma2 softcap": lambda: scaled_tiny(T.Gemma2Config, T.Gemma2ForCausalLM, num_key_value_heads=2, head_dim=16,
                                           attn_logit_softcapping=8.0, sliding_window=8, tie_word_embeddings=False,
                                           query_pre_attn_scalar=16),
@@ -181,7 +186,8 @@ def test_quality_scores_an_int8_cache(tmp_path):
     from jitney.cli import main as cli
 
     out = tmp_path / "quality.json"
-    assert cli(["quality", "--weights", "fp32,fp32+kvint8", "--tokens", "200", "--window", "100", "--json", str(out)]) == 0
+    assert cli(["quality", "--weights", "fp32,fp32+kvint8", "--tokens", "200", "--window", "100",
+                "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["weights"] for r in rows] == ["fp32", "fp32+kvint8"]
     assert abs(rows[1]["perplexity_vs_first"]) < 0.03 and rows[1]["top1_same_as_first"] > 0.9

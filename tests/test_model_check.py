@@ -19,7 +19,8 @@ def tiny(config_class, model_class, **kw):
 
 REFUSED = {
     "falcon": (lambda: tiny(T.FalconConfig, T.FalconForCausalLM, num_kv_heads=4, new_decoder_architecture=False),
-               "never reaches jitney's attention function|do not pass the step's data down"),  # (transformers < / >= 5.25)
+               # (transformers < / >= 5.25)
+               "never reaches jitney's attention function|do not pass the step's data down"),
     "stablelm": (lambda: tiny(T.StableLmConfig, T.StableLmForCausalLM, num_key_value_heads=2),
                  "do not pass the step's data down"),
 }
