@@ -206,6 +206,10 @@ static inline v8 load8(const int8_t* p) {
   return r;
 }
 
+// Elements of type T in a cache line.
+template <typename T>
+constexpr int64_t LINE = 64 / sizeof(T);
+
 // Elements of a cache row of `dim` values, and the factor its stored elements take.
 template <typename T>
 constexpr bool QUANTIZED = std::is_same_v<T, int8_t>;
@@ -427,7 +431,7 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
         int64_t i = 0;
         for (; i + 4 <= count; i += 4) {
           if (next >= 0)  // the same positions of the next block
-            for (int64_t b = i * rs; b < (i + 4) * rs; b += 16) __builtin_prefetch(kh + next + b);
+            for (int64_t b = i * rs; b < (i + 4) * rs; b += LINE<T>) __builtin_prefetch(kh + next + b);
           every_head_scores<4>(q0, group, k + i * rs, dim, dim8, sc, s + i, n);
         }
         for (; i < count; ++i) every_head_scores<1>(q0, group, k + i * rs, dim, dim8, sc, s + i, n);
@@ -446,7 +450,7 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
         runs([&](int64_t at, int64_t i0, int64_t count, int64_t next) {
           const T* v = vh + at;
           if (g == 0 && next >= 0)
-            for (int64_t b = 0; b < count * rs; b += 16) __builtin_prefetch(vh + next + b);
+            for (int64_t b = 0; b < count * rs; b += LINE<T>) __builtin_prefetch(vh + next + b);
           for (int64_t d = 0; d < dim8; d += 64)
             weighted_values_any(std::min<int64_t>(8, (dim8 - d) / 8), sg + i0, v + d, v, count, dim, ag + d);
           for (int64_t d = dim8; d < dim; ++d)
@@ -513,10 +517,6 @@ static inline void transpose16(__m512* r) {
     r[12 + k] = _mm512_shuffle_f32x4(a1, a3, 0xdd);
   }
 }
-
-// Elements of type T in a cache line.
-template <typename T>
-constexpr int64_t LINE = 64 / sizeof(T);
 
 // A cache row's lines into L2 (an int8 row's scale may lie in the line after its codes').
 template <typename T>
