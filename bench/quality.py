@@ -19,8 +19,9 @@ import time
 import torch
 
 WEIGHTS = ("fp32", "int8", "w8a8", "bf16")
-KV = {"kvbf16": torch.bfloat16, "kvint8": torch.int8}
-"""A kind's suffixes (`int8+kvbf16`): its keys and values rounded as a KV cache of that dtype holds them."""
+KV = "kv"
+"""A kind's suffix, `kv` and an `EngineConfig.kv_cache_dtype` (`int8+kvbf16`): its keys and values rounded as a KV
+cache of that dtype holds them."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,14 +60,14 @@ def score(model, ids: torch.Tensor, window: int) -> tuple[float, torch.Tensor]:
 def main(args: argparse.Namespace) -> int:
     from jitney.core.models import load_model
     from jitney.kernels import cpu_linear, native
-    from jitney.kernels.base import RoundedKV
+    from jitney.kernels.base import KV_CACHE_DTYPES, RoundedKV
 
     kinds = args.weights.split(",")
     for kind in kinds:
         weights, _, kv = kind.partition("+")
-        if weights not in WEIGHTS or kv not in ("", *KV):
+        if weights not in WEIGHTS or kv not in ("", *(KV + name for name in KV_CACHE_DTYPES)):
             raise ValueError(f"--weights: unknown {kind!r} (known: {', '.join(WEIGHTS)}, each optionally "
-                             f"+{' or +'.join(KV)})")
+                             f"+{' or +'.join(KV + name for name in KV_CACHE_DTYPES)})")
     if {k.partition("+")[0] for k in kinds} - {"fp32"} and not native.available():
         raise ValueError("int8, w8a8 and bf16 weights need jitney's C++ kernels, which do not build here")
     if args.tokens < 2 or args.window < 2:
@@ -80,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
     for kind in kinds:
         t = time.perf_counter()
         weights, _, kv = kind.partition("+")
-        rounded_kv = RoundedKV(model, KV[kv]) if kv else contextlib.nullcontext()
+        rounded_kv = RoundedKV(model, KV_CACHE_DTYPES[kv.removeprefix(KV)]) if kv else contextlib.nullcontext()
         # (the engine's kernels, fp32 too)
         with cpu_linear.PackedLinears(model, quantized=None if weights == "fp32" else weights), rounded_kv:
             nll, best = score(model, ids, args.window)

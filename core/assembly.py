@@ -13,6 +13,7 @@ from jitney.cache.sizing import bytes_per_block, check_committable, solve_num_bl
 from jitney.core.config import EngineConfig
 from jitney.core.graphs import CudaGraphCapture, StaticDecoder, eager
 from jitney.kernels import cpu_layers, cpu_linear, native
+from jitney.kernels.base import KV_CACHE_DTYPES
 from jitney.kernels.torch_paged import TorchPagedAttention
 
 
@@ -43,7 +44,7 @@ def kv_cache_dtype(cfg: EngineConfig, backend, name: str, computed: torch.dtype)
     `cfg.kv_cache_dtype`; a `ValueError` where the attention backend cannot read that under `computed` queries."""
     if cfg.kv_cache_dtype is None:
         return computed
-    dtype = torch.int8 if cfg.kv_cache_dtype == "int8" else torch.bfloat16
+    dtype = KV_CACHE_DTYPES[cfg.kv_cache_dtype]
     if dtype != computed and dtype not in getattr(backend, "cache_dtypes", ()):
         raise ValueError(
             f"EngineConfig.kv_cache_dtype={cfg.kv_cache_dtype!r}: the attention backend {name!r} does not read "

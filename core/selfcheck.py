@@ -14,7 +14,7 @@ import torch
 from jitney.core.request import Request, SamplingParams
 from jitney.core.sequence import Sequence
 from jitney.kernels import cpu_linear
-from jitney.kernels.base import RoundedKV
+from jitney.kernels.base import KV_CACHE_DTYPES, RoundedKV
 
 if TYPE_CHECKING:
     from jitney.core.engine import Engine
@@ -43,8 +43,7 @@ def reference_logits(model, sequences: list[list[int]], weights: str | None = No
     (`EngineConfig`'s): with its keys and values rounded as the cache holds them (`RoundedKV`)."""
     rows = []
     rounded = cpu_linear.QuantizedReference(model, weights) if weights else contextlib.nullcontext()
-    kv = (RoundedKV(model, torch.int8 if kv_cache_dtype == "int8" else torch.bfloat16) if kv_cache_dtype
-          else contextlib.nullcontext())
+    kv = RoundedKV(model, KV_CACHE_DTYPES[kv_cache_dtype]) if kv_cache_dtype else contextlib.nullcontext()
     with rounded, kv, torch.inference_mode():
         for seq in sequences:
             logits = model(input_ids=torch.tensor([seq], device=model.device), use_cache=False).logits[0]

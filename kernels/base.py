@@ -154,6 +154,9 @@ def jitney_attention(module, query, key, value, attention_mask, scaling=None, sl
 AttentionInterface.register(ATTN_NAME, jitney_attention)
 
 
+KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}
+"""`EngineConfig.kv_cache_dtype`'s names and the dtypes of the caches they give."""
+
 KV8_UNIT = torch.tensor(1 / 127, dtype=torch.float32)
 
 

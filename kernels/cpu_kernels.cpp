@@ -1774,11 +1774,12 @@ static void prefill_attention(const float* qp, int64_t q_stride, int64_t rows_in
           krow[count] = kp + (h * slots + slot) * rs;
           vrow[count] = vp + (h * slots + slot) * rs;
         }
-        __m512 ks[KEYS], vs[KEYS];  // each row's scale
-        for (int64_t c = 0; c < count; ++c) {
-          ks[c] = _mm512_set1_ps(row_scale(krow[c], dim));
-          vs[c] = _mm512_set1_ps(row_scale(vrow[c], dim));
-        }
+        __m512 ks[KEYS], vs[KEYS];  // each int8 row's scale
+        if constexpr (QUANTIZED<T>)
+          for (int64_t c = 0; c < count; ++c) {
+            ks[c] = _mm512_set1_ps(row_scale(krow[c], dim));
+            vs[c] = _mm512_set1_ps(row_scale(vrow[c], dim));
+          }
         for (int64_t p = 0; p < dim_panels; ++p) {
           __m512 r[KEYS];
           for (int64_t c = 0; c < KEYS; ++c) {
