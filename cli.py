@@ -14,8 +14,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     engine = Engine.from_pretrained(args.model, config=EngineConfig(
         max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, speculative_tokens=args.speculative_tokens,
-        weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, scheduler=args.scheduler, eviction=args.eviction,
-        chunk_context_cost=args.chunk_context_cost))
+        lookup_tokens=args.lookup_tokens, weights=args.weights, kv_cache_dtype=args.kv_cache_dtype,
+        scheduler=args.scheduler, eviction=args.eviction, chunk_context_cost=args.chunk_context_cost))
     tok = engine.tokenizer
     prompt: str | list[int] = args.prompt
     if not args.raw and tok is not None and tok.chat_template:
@@ -54,6 +54,9 @@ def _policy_arguments(parser: argparse.ArgumentParser) -> None:
 def _cpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-tokens", type=int, default=None,
                         help="tokens an int8 draft proposes per greedy decode on CPU (default 4 where it applies; 0: off)")
+    parser.add_argument("--lookup-tokens", type=int, default=None,
+                        help="tokens a greedy decode may guess from its own earlier tokens on CPU, where the draft does "
+                             "not run (prompt lookup; default 4 where it applies; 0: off; EngineConfig.lookup_tokens)")
     parser.add_argument("--weights", default=None, choices=["int8", "w8a8", "bf16"],
                         help="int8: the linear layers through int8 copies of their weights; w8a8: their inputs rounded "
                              "to int8 too; bf16: through bf16 copies (CPU; EngineConfig.weights)")
@@ -68,8 +71,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     fields = dict(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
                   cpu_offload_space=args.cpu_offload_space, speculative_tokens=args.speculative_tokens,
-                  weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, scheduler=args.scheduler,
-                  eviction=args.eviction, chunk_context_cost=args.chunk_context_cost)
+                  lookup_tokens=args.lookup_tokens, weights=args.weights, kv_cache_dtype=args.kv_cache_dtype,
+                  scheduler=args.scheduler, eviction=args.eviction, chunk_context_cost=args.chunk_context_cost)
     EngineConfig(**fields)  # (a bad value is refused here, before any replica starts)
     if args.replicas < 1:
         raise ValueError("--replicas must be >= 1")

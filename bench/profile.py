@@ -26,15 +26,16 @@ FEATURES = ("step", "query_tokens", "sampled_rows", "decode_kv_ktokens", "decode
 pairs). Decode rows sharing a prefix read the same blocks: those reads come from the CPU's caches, so the
 distinct KV tokens read are a feature of their own. A speculative step (`FusedDecoder.speculate`) is its
 draft's k passes over every row (each pass reads the int8 weights once) and one pass of the model over each
-row's token and its k proposals: that pass's shape fills the first features, the draft's the last three."""
+row's token and its k proposals: that pass's shape fills the first features, the draft's the last three. A step
+whose rows come with prompt-lookup guesses (`FusedDecoder.check`) is that checking pass alone."""
 
 SPECULATIVE = FEATURES.index("draft_passes")
 """The first feature only speculative steps have: a profile fitted without any has no coefficients from here."""
 
 
-def features(step, sampled: int, speculate: int = 0) -> list[float]:
-    """A step's shape (`StepInputs`), in `FEATURES` order; `speculate`: the draft tokens of each row (its
-    entries are then all one-token decodes, `sampled` of them)."""
+def features(step, sampled: int, speculate: int = 0, proposals: list[list[int]] | None = None) -> list[float]:
+    """A step's shape (`StepInputs`), in `FEATURES` order; `speculate`: the draft tokens of each row, or
+    `proposals`: each row's guesses (its entries are then all one-token decodes, `sampled` of them)."""
     query_lens, context_lens, nd = step.query_lens, step.context_lens, step.num_decodes
     decode_kv = sum(context_lens[:nd])  # (decode rows come first; a prompt's one-token chunk is not one)
     prefill_attention = sum(q * c for q, c in zip(query_lens[nd:], context_lens[nd:]))
@@ -42,6 +43,10 @@ def features(step, sampled: int, speculate: int = 0) -> list[float]:
     if step.num_decodes:  # (decode rows come first) distinct blocks they read, the padding block aside
         blocks = torch.unique(step.block_tables[0][: step.num_decodes].cpu())
         distinct = (len(blocks) - int(bool((blocks == step.padding_slot // step.block_size).any()))) * step.block_size
+    if proposals:  # row j of a request's checking rows reads j tokens more than its decode would
+        widths = [1 + len(p) for p in proposals]
+        checked = sum(w * c + w * (w - 1) / 2 for w, c in zip(widths, context_lens[:nd]))
+        return [1.0, float(sum(widths)), float(sum(widths)), checked / 1e3, distinct / 1e3, 0.0, 0.0, 0.0, 0.0]
     if not speculate:
         return [1.0, float(sum(query_lens)), float(sampled), decode_kv / 1e3, distinct / 1e3,
                 prefill_attention / 1e6, 0.0, 0.0, 0.0]
@@ -161,11 +166,12 @@ class StepRecorder:
         t = time.perf_counter()
         result = self.forward(prepared, started)
         self.seconds.append(time.perf_counter() - t)
-        self.shapes.append(features(prepared.step, len(prepared.params), prepared.speculate))
-        for i in prepared.sampled_entries if prepared.speculate else ():
+        self.shapes.append(features(prepared.step, len(prepared.params), prepared.speculate, prepared.proposals))
+        for i in prepared.sampled_entries if prepared.speculate or prepared.proposals else ():
             taken = len(result[i]) - 1
+            offered = len(prepared.proposals[i]) if prepared.proposals else prepared.speculate
             self.accepted += taken
-            self.rejected += taken < prepared.speculate
+            self.rejected += taken < offered
         return result
 
 

@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write each mode's generated tokens to this JSON file (to compare runs, e.g. dtypes)")
     parser.add_argument("--modes", default="jitney,hf-cb,hf-static",
                         help="comma-separated: jitney, jitney-nocache (prefix caching off), jitney-nospec "
-                             "(speculative decoding off), jitney-unfused (transformers' layers over the packed linears, no one-call decoder), jitney-int8 / jitney-w8a8 / jitney-bf16 (int8 weights / and activations / bf16 weights), "
+                             "(speculative decoding off: the draft and prompt lookup), jitney-nolookup (prompt lookup off), "
+                             "jitney-unfused (transformers' layers over the packed linears, no one-call decoder), jitney-int8 / jitney-w8a8 / jitney-bf16 (int8 weights / and activations / bf16 weights), "
                              "jitney-kvbf16 / jitney-kvint8 (a bf16 / int8 KV cache), "
                              "jitney-noscreen (every logit of greedy rows computed), "
                              "hf-cb (transformers continuous batching), hf-static (transformers generate), llama-cpp / llama-cpp-q4 (llama.cpp on the same weights in F32 "
@@ -46,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-offload-space", type=float, default=0.0, help="GiB of swap pool for jitney (0: soft reset only)")
     parser.add_argument("--speculative-tokens", type=int, default=None,
                         help="jitney's EngineConfig.speculative_tokens (default: the engine's; jitney-nospec: 0)")
+    parser.add_argument("--lookup-tokens", type=int, default=None,
+                        help="jitney's EngineConfig.lookup_tokens (default: the engine's; jitney-nospec, "
+                             "jitney-nolookup: 0)")
     parser.add_argument("--async-batching", action="store_true",
                         help="jitney launches each decode step before handing out the previous one's tokens")
     parser.add_argument("--kv-cache-dtype", default=None, choices=["bf16", "int8"],
@@ -191,6 +195,8 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
         fields["use_async_batching"] = True
     if getattr(args, "speculative_tokens", None) is not None:
         fields["speculative_tokens"] = args.speculative_tokens
+    if getattr(args, "lookup_tokens", None) is not None:
+        fields["lookup_tokens"] = args.lookup_tokens
     config = EngineConfig(**{**fields, **config_fields})
     stats = StepStats()
     plugins: list = [stats]
@@ -301,7 +307,9 @@ def runs(args) -> list[tuple[str, Callable]]:
         elif mode == "jitney-nocache":
             out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, sharing=False)))
         elif mode == "jitney-nospec":
-            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, speculative_tokens=0)))
+            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, speculative_tokens=0, lookup_tokens=0)))
+        elif mode == "jitney-nolookup":
+            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, lookup_tokens=0)))
         elif mode == "jitney-unfused":
             out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, fuse_cpu_layers=False)))
         elif mode == "jitney-noscreen":

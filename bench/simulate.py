@@ -274,7 +274,8 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timel
     timeline = Timeline(replicas)
     if timeline_path:
         plugins = [*plugins, schedule := ScheduleTimeline()]
-    config = EngineConfig(**{"check_model": False, **config_fields})
+    # (prompt lookup is not simulated: which guesses the model takes depends on its tokens, which a simulation has not)
+    config = EngineConfig(**{"check_model": False, "lookup_tokens": 0, **config_fields})
     router = router or "prefix_affinity"
     placing = None
     if replicas > 1:

@@ -152,6 +152,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     which extra rows share; at more, the extra rows cost their own compute. With SmolLM2 on a 2-core CPU, up
     to five requests speculate: four chat streams of 128 tokens ran 1.79-1.88 s against 2.27-2.49 s at 8
     (where none did), five 1.91-1.98 against 2.23-2.31; 24 was no better than 16."""
+    lookup_tokens: Annotated[int, Meta(ge=0)] | None = None
+    """Prompt-lookup speculation (`core/lookup`) in the one-call decode steps the draft does not take (more rows
+    than `speculative_max_rows`): a greedy request whose last three (else two) tokens occurred before in its
+    prompt or output proposes up to this many of the tokens that followed them there, and the pass that computes
+    its next token checks them; it keeps them up to the first the model disagrees with, so its tokens are the
+    same as without. Costs no model pass: a wrong guess costs its row in that pass. Only in steps where every
+    request decodes one greedy sample and none is offloaded, within `max_batch_tokens`. Where the one-call
+    decoder runs, as `speculative_tokens`; `None`: 4 (0 with async batching); 0: off."""
 
     def __post_init__(self) -> None:
         # msgspec checks constraints only when converting; building the Struct directly does not, so check

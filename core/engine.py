@@ -16,6 +16,7 @@ import torch
 
 from jitney.core import assembly
 from jitney.core import events as ev
+from jitney.core import lookup
 from jitney.core import selfcheck
 from jitney.core.config import EngineConfig
 from jitney.core.executor import ForwardThread, PreparedStep, StepExecutor
@@ -88,6 +89,7 @@ class Engine:
         self._loop_alive = False
         self.errors = ErrorLog()  # plugins' failures, each distinct one logged once
         self.speculate = 0  # draft tokens a decode may get (`EngineConfig.speculative_tokens`), set once entered
+        self.lookup = 0  # prompt-lookup tokens a decode may get (`EngineConfig.lookup_tokens`), set once entered
 
     @classmethod
     def from_pretrained(cls, model, config: EngineConfig | None = None, tokenizer=None, plugins: Iterable[object] = ()):
@@ -128,7 +130,7 @@ class Engine:
         fused = next((p for p in self._cpu_paths if isinstance(p, cpu_layers.FusedLayers)), None)
         if fused is not None and type(self.executor.backend) is CpuPagedAttention:  # the kernel the decoder runs
             self.executor.decoder = fused.decoder
-        self.speculate = self._plan_speculation()
+        self.speculate, self.lookup = self._plan_speculation()
         if self.speculate:  # the draft's weights packed now, on the forward thread, not in a request's first step
             self._forward.pool.submit(lambda: self.executor.decoder.draft).result()
         if check:  # the same rows through what will serve: refused here rather than wrong tokens later
@@ -139,18 +141,21 @@ class Engine:
         self._loop_alive = True  # (from now: the loop task starts at the next await)
         self._task_group.start_soon(self._loop)
 
-    def _plan_speculation(self) -> int:
-        """Draft tokens per decode (`EngineConfig.speculative_tokens`): where the one-call decoder runs decode
-        steps that are not padded; by default not with async batching either (a speculative step is not
-        chained: its next one depends on what it accepts)."""
-        k = self.config.speculative_tokens
+    def _plan_speculation(self) -> tuple[int, int]:
+        """Draft tokens and prompt-lookup tokens per decode (`EngineConfig.speculative_tokens`, `lookup_tokens`):
+        where the one-call decoder runs decode steps that are not padded; by default not with async batching
+        either (a speculative step is not chained: its next one depends on what it accepts)."""
+        k, lookup = self.config.speculative_tokens, self.config.lookup_tokens
         able = self.executor.decoder is not None and self.executor.static is None and not self.cache.sliding
-        if k and not able:
-            log.warning("speculative_tokens=%d needs the CPU's one-call decoder (fused fp32 Llama-like layers, full "
-                        "attention, jitney's C++ kernels) and unpadded decode steps: decoding without it", k)
+        for name, asked in (("speculative_tokens", k), ("lookup_tokens", lookup)):
+            if asked and not able:
+                log.warning("%s=%d needs the CPU's one-call decoder (fused fp32 Llama-like layers, full attention, "
+                            "jitney's C++ kernels) and unpadded decode steps: decoding without it", name, asked)
         if k is None:  # (with int8 weights the draft is the model itself: no faster, docs/benchmarks.md)
             k = 0 if self.async_batching or self.config.weights in ("int8", "w8a8") else 4
-        return k if able else 0
+        if lookup is None:
+            lookup = 0 if self.async_batching else 4
+        return (k, lookup) if able else (0, 0)
 
     def on_forward_thread(self, fn):
         """Run `fn` (torch work on the cache: swap copies) on the forward thread and wait for it. Parallel torch
@@ -324,14 +329,16 @@ class Engine:
         forward = self._forward
         try:
             drafts = self._speculation(entries) if self.speculate else 0
-            running = forward.submit(self.executor.prepare(entries, speculate=drafts))
+            guesses = (lookup.guesses(entries, self.lookup, self.config.max_batch_tokens, self.cache)
+                       if self.lookup and not drafts and not self.preempter.offloaded else None)
+            running = forward.submit(self.executor.prepare(entries, speculate=drafts, proposals=guesses))
         except Exception as exc:
             self._forward_failed(entries, exc)
             return
         ran_ahead = False
         while True:
             try:
-                ahead = self._prepare_ahead(entries) if self.async_batching and not drafts else None
+                ahead = self._prepare_ahead(entries) if self.async_batching and not (drafts or guesses) else None
             except Exception:  # the scheduler will take the next step instead
                 log.exception("preparing the next step ahead failed")
                 ahead = None
@@ -352,9 +359,13 @@ class Engine:
                 running = chained
             # A request that ends here still has a row in the step now running: its blocks may be handed
             # out again at once, since that row's writes land before any later step writes for a new owner.
-            self._apply_runs(entries, tokens) if drafts else self._apply(entries, tokens)
-            accepted = sum(len(run) - 1 for run in tokens) if drafts else 0
-            self._step_completed(entries, t0, marks, queried, hit, ran_ahead, forward_s, drafts * len(entries), accepted)
+            runs = drafts or guesses
+            if guesses:
+                lookup.learn(entries, guesses, tokens)
+            self._apply_runs(entries, tokens) if runs else self._apply(entries, tokens)
+            accepted = sum(len(run) - 1 for run in tokens) if runs else 0
+            proposed = sum(map(len, guesses)) if guesses else drafts * len(entries)
+            self._step_completed(entries, t0, marks, queried, hit, ran_ahead, forward_s, proposed, accepted)
             if ahead is None:
                 return
             entries, t0, queried, hit, ran_ahead = next_entries, self.clock(), 0, 0, True
@@ -487,7 +498,7 @@ class Engine:
                 self._emit(seq, drawn[0], now)
                 continue
             events.append(ev.PrefillChunk(t=now, step=step, request_id=seq.request_id, tokens=n, computed=computed,
-                                          recompute=bool(seq.output_ids)))
+                                          recompute=computed - n < seq.computed_before))
             if drawn is not None:
                 self._first_tokens(seq, drawn, now)
         self._wake_streams()

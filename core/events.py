@@ -120,7 +120,8 @@ class StepCompleted(Event, frozen=True):
     ahead: bool = False
     """Async batching: prepared and launched while the step before ran, without asking the scheduler."""
     draft_tokens: int = 0
-    """Speculative decoding: tokens the draft proposed this step (`EngineConfig.speculative_tokens`)."""
+    """Speculative decoding: tokens the draft proposed this step (`EngineConfig.speculative_tokens`), or the
+    requests' own earlier tokens did (`EngineConfig.lookup_tokens`)."""
     accepted_tokens: int = 0
     """Of those, tokens the model agreed with: each one a token more than a decode step gives."""
     batch: tuple[tuple[str, int], ...] = ()

@@ -42,6 +42,9 @@ class PreparedStep:
     speculate: int = 0
     """Tokens the draft proposes after each row's (a decode-only step of greedy rows; see
     `FusedDecoder.speculate`): each sampled entry then gets one to ``speculate + 1`` tokens."""
+    proposals: list[list[int]] | None = None
+    """Guesses at each entry's next tokens (a decode-only step of greedy rows; `core/lookup`, checked by
+    `FusedDecoder.check`): each entry then gets one to ``len + 1`` tokens."""
 
 
 class StepExecutor:
@@ -65,21 +68,24 @@ class StepExecutor:
         self.forward_s = 0.0  # time of the latest forward + sampling
         self.row_errors: dict[int, str] = {}  # the latest forward's entries whose sampling failed, and why
 
-    def prepare(self, entries: list[tuple[Sequence, int]], ahead: bool = False, speculate: int = 0) -> PreparedStep:
+    def prepare(self, entries: list[tuple[Sequence, int]], ahead: bool = False, speculate: int = 0,
+                proposals: list[list[int]] | None = None) -> PreparedStep:
         """Build the step's input tensors, on the event loop's thread: after this, the forward reads nothing
         that the loop may change (an abort can free a request's blocks while its forward runs).
 
         `ahead`: every entry is a decode of the token that the running step is still sampling (position
-        `num_tokens`); its token ids are given later with `set_tokens`. `speculate`: see `PreparedStep`
-        (the caller has reserved each entry's cache for that many tokens more).
+        `num_tokens`); its token ids are given later with `set_tokens`. `speculate`, `proposals`: see
+        `PreparedStep` (the caller has reserved each entry's cache for that many tokens more).
         """
         with torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext():
-            return self._prepare(entries, ahead, speculate)
+            return self._prepare(entries, ahead, speculate, proposals)
 
-    def _prepare(self, entries: list[tuple[Sequence, int]], ahead: bool, speculate: int) -> PreparedStep:
+    def _prepare(self, entries: list[tuple[Sequence, int]], ahead: bool, speculate: int,
+                 proposals: list[list[int]] | None) -> PreparedStep:
         prepared = self._build(entries, ahead)
         prepared.new_blocks = self.cache.take_new_blocks()
         prepared.speculate = speculate
+        prepared.proposals = proposals
         return prepared
 
     def _build(self, entries: list[tuple[Sequence, int]], ahead: bool) -> PreparedStep:
@@ -191,8 +197,9 @@ class StepExecutor:
         with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else nullcontext():
             self.zero_new_blocks(p)
             result: list[list[int] | None] = [None] * p.num_entries
-            if p.speculate:
-                runs = self.decoder.speculate(p.input_ids, p.positions, p.step, p.speculate, started)
+            if p.speculate or p.proposals:
+                runs = (self.decoder.speculate(p.input_ids, p.positions, p.step, p.speculate, started) if p.speculate
+                        else self.decoder.check(p.input_ids, p.positions, p.step, p.proposals, started))
                 for i, run in zip(p.sampled_entries, runs):
                     result[i] = run
             else:

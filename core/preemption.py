@@ -143,6 +143,7 @@ class Preempter:
                                                         blocks=blocks))
 
     def _soft_reset(self, seq: Sequence, now: float) -> None:
+        seq.computed_before = max(seq.computed_before, seq.num_computed)
         seq.num_computed = 0
         seq.status = RequestStatus.PENDING
         bisect.insort(self.engine.waiting, seq, key=_by_arrival)

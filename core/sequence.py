@@ -65,7 +65,7 @@ class Sequence:
     __slots__ = (
         "request", "request_id", "params", "prompt_ids", "output_ids", "num_computed", "status", "arrival",
         "stop_ids", "generator", "finish_reason", "error", "collector", "index", "forks", "t_queued",
-        "t_first_token", "max_new_tokens", "stop_strings", "parent_id",
+        "t_first_token", "max_new_tokens", "stop_strings", "parent_id", "ngrams", "computed_before",
     )
 
     def __init__(
@@ -103,6 +103,8 @@ class Sequence:
         self.forks: list[Sequence] = []  # samples that fork from this one when its prompt is done
         self.t_queued = time.perf_counter() if now is None else now  # (`now`: by the engine's clock)
         self.t_first_token: float | None = None
+        self.ngrams = None  # where its short runs of tokens occurred (`lookup.NgramIndex`), made at first use
+        self.computed_before = 0  # tokens it had in the cache before its latest soft reset (they compute again)
 
     @property
     def num_tokens(self) -> int:

@@ -402,13 +402,39 @@ class FusedDecoder:
             step.values, [t.repeat_interleave(width, 0) for t in tables], step.group_of_layer,
             (ctx[:, None] + torch.arange(width)).reshape(-1), step.block_size, True,
         ).tolist()
-        ids = ids.tolist()
-        runs = []
-        for r in range(rows):
-            run = best[r * width : (r + 1) * width]
-            accepted = next((j for j in range(k) if run[j] != ids[r][j + 1]), k)
-            runs.append(run[: accepted + 1])
-        return runs
+        return _accepted(best, [row[1:] for row in ids.tolist()])
+
+    def check(self, input_ids: torch.Tensor, positions: torch.Tensor, step, proposals: list[list[int]],
+              started) -> list[list[int]]:
+        """The greedy tokens of a decode-only step whose rows come with guesses at their next tokens (`proposals`,
+        a list a row, any of them empty: `core/lookup`), one to len + 1 a row. As `speculate`'s checking pass:
+        each row's token and its guesses run as rows of consecutive positions over the row's block table (its
+        cache reserved for them), and a row keeps the model's tokens up to and including the first that differs
+        from its guess: the tokens decode steps one after another would give."""
+        widths = torch.tensor([1 + len(p) for p in proposals])
+        offsets = torch.arange(int(widths.sum())) - (widths.cumsum(0) - widths).repeat_interleave(widths)
+        ids = torch.tensor([t for token, guess in zip(input_ids[0].tolist(), proposals) for t in (token, *guess)])
+        x = self._embed(ids[None])
+        cos, sin = self._angles(x, (positions.repeat_interleave(widths) + offsets)[None])
+        x = x[0].contiguous()
+        started()
+        tables = [t.repeat_interleave(widths, 0) for t in step.block_tables]
+        contexts = step.context_tensor.repeat_interleave(widths) + offsets
+        best = self.native.forward(x, cos, sin, step.keys, step.values, tables, step.group_of_layer, contexts,
+                                   step.block_size, True).tolist()
+        return _accepted(best, proposals)
+
+
+def _accepted(best: list[int], proposals: list[list[int]]) -> list[list[int]]:
+    """Each row's tokens from a checking pass's greedy tokens `best` (a row's token's and then one a guess of
+    `proposals`', row after row): the model's up to and including the first that differs from the guess."""
+    runs, start = [], 0
+    for guess in proposals:
+        run = best[start : start + len(guess) + 1]
+        accepted = next((j for j, t in enumerate(guess) if run[j] != t), len(guess))
+        runs.append(run[: accepted + 1])
+        start += len(guess) + 1
+    return runs
 
 
 def _stacked_bias(linears: list[nn.Linear]) -> torch.Tensor | None:

@@ -198,8 +198,8 @@ async def test_decode_steps_run_the_whole_model_in_one_call_and_match_generate(l
     work = random_requests(streams, 256, max_prompt=30, max_new=40, seed=11)
     work = [(p, 30 + n) for p, n in work]  # long enough for the mistral window (8) to slide
     refs = [reference(model, p, n) for p, n in work]
-    # (plain decode steps: speculative ones have tests of their own)
-    got, fused = await _run(model, work, fuse_cpu_layers=True, speculative_tokens=0)
+    # (plain decode steps: speculative and prompt-lookup ones have tests of their own)
+    got, fused = await _run(model, work, fuse_cpu_layers=True, speculative_tokens=0, lookup_tokens=0)
     assert fused
     assert got == refs
     assert len(calls) >= 30  # the decode steps went through it

@@ -69,8 +69,8 @@ def serve_all(engine: Engine, work: list[Arrival]) -> None:
 
 def real_run(work: list[Arrival]) -> Timeline:
     timeline = Timeline()
-    serve_all(Engine(tiny_llama(), config=EngineConfig(**CONFIG, speculative_tokens=0), plugins=[timeline, Registers()]),
-              work)
+    config = EngineConfig(**CONFIG, speculative_tokens=0, lookup_tokens=0)
+    serve_all(Engine(tiny_llama(), config=config, plugins=[timeline, Registers()]), work)
     return timeline
 
 
@@ -332,7 +332,7 @@ def test_a_trace_recorded_without_token_ids_keeps_the_prefix_sharing_and_no_text
     work = prefixes_workload()[:16]
     path = tmp_path / "private.jsonl"
     real = Timeline()
-    serve_all(Engine(tiny_llama(), config=EngineConfig(**CONFIG, speculative_tokens=0),
+    serve_all(Engine(tiny_llama(), config=EngineConfig(**CONFIG, speculative_tokens=0, lookup_tokens=0),
                      plugins=[TraceRecorder(path), real, Registers()]), work)
     text = path.read_text()
     assert "prompt_ids" not in text and "prefix_hashes" in text

@@ -52,12 +52,12 @@ def greedy(prompt, n, **kw):
 @pytest.mark.parametrize("count", [1, 2, 3, 6])
 async def test_speculative_steps_give_generates_tokens(make, count):
     # up to 5 requests: 4 proposals a step, fewer where the rows would pass 16; 6: none until one has ended (at
-    # least 2 proposals each)
+    # least 2 proposals each); prompt lookup off: the draft's steps alone
     model = make()
     work = random_requests(count, model.config.vocab_size, max_new=40, seed=count)
     refs = [reference(model, p, n) for p, n in work]
     steps = Steps()
-    config = EngineConfig(speculative_tokens=4, block_size=4, num_blocks=200)
+    config = EngineConfig(speculative_tokens=4, lookup_tokens=0, block_size=4, num_blocks=200)
     async with Engine(model, config=config, plugins=[steps]) as engine:
         assert engine.speculate == 4
         assert await generate_all(engine, [greedy(p, n) for p, n in work]) == refs
@@ -96,8 +96,8 @@ async def test_blocks_completed_in_speculative_steps_serve_later_prefixes(llama)
 
 
 async def test_sampled_requests_and_large_batches_do_not_speculate(llama):
-    steps = Steps()
-    async with Engine(llama, config=EngineConfig(speculative_tokens=4), plugins=[steps]) as engine:
+    steps = Steps()  # (the draft's rule; prompt lookup, off here, may take large batches: tests/test_lookup.py)
+    async with Engine(llama, config=EngineConfig(speculative_tokens=4, lookup_tokens=0), plugins=[steps]) as engine:
         sampled = [Request(list(range(3, 12)), SamplingParams(max_new_tokens=12, temperature=0.8, seed=i)) for i in range(2)]
         await generate_all(engine, sampled)
         assert steps.drafted == 0
