@@ -417,9 +417,9 @@ class FusedDecoder:
         x = self._embed(ids[None])
         cos, sin = self._angles(x, (positions.repeat_interleave(widths) + offsets)[None])
         x = x[0].contiguous()
-        started()
         tables = [t.repeat_interleave(widths, 0) for t in step.block_tables]
         contexts = step.context_tensor.repeat_interleave(widths) + offsets
+        started()
         best = self.native.forward(x, cos, sin, step.keys, step.values, tables, step.group_of_layer, contexts,
                                    step.block_size, True).tolist()
         return _accepted(best, proposals)
