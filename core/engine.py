@@ -25,7 +25,7 @@ from jitney.core.hooks import make_plugin_manager, registry
 from jitney.core.models import load_model
 from jitney.core.preemption import Preempter
 from jitney.core.request import Completion, Request, RequestStatus, cut_at_stop
-from jitney.core.sequence import Collector, Sequence
+from jitney.core.sequence import Collector, Sequence, greedy_decodes
 from jitney.core.stream import TokenStream
 from jitney.kernels import cpu_layers
 from jitney.kernels.base import ATTN_NAME
@@ -359,11 +359,11 @@ class Engine:
                 running = chained
             # A request that ends here still has a row in the step now running: its blocks may be handed
             # out again at once, since that row's writes land before any later step writes for a new owner.
-            runs = drafts or guesses
+            speculative = drafts or guesses
             if guesses:
                 lookup.learn(entries, guesses, tokens)
-            self._apply_runs(entries, tokens) if runs else self._apply(entries, tokens)
-            accepted = sum(len(run) - 1 for run in tokens) if runs else 0
+            self._apply_runs(entries, tokens) if speculative else self._apply(entries, tokens)
+            accepted = sum(len(run) - 1 for run in tokens) if speculative else 0
             proposed = sum(map(len, guesses)) if guesses else drafts * len(entries)
             self._step_completed(entries, t0, marks, queried, hit, ran_ahead, forward_s, proposed, accepted)
             if ahead is None:
@@ -386,11 +386,9 @@ class Engine:
             return 0
         cfg, count, least = self.config, len(entries), self._least_proposals
         k = min(self.speculate, cfg.speculative_max_rows // count - 1, cfg.max_batch_tokens // count - 1)
-        decoding = RequestStatus.DECODING
-        for seq, n in entries if k >= least else ():
-            if n != 1 or seq.status is not decoding or not seq.params.greedy or seq.remaining != 1:
-                return 0
-            k = min(k, seq.max_new_tokens - len(seq.output_ids) - 1)
+        if k < least or not greedy_decodes(entries):
+            return 0
+        k = min(k, *(seq.max_new_tokens - len(seq.output_ids) - 1 for seq, _ in entries))
         if k < least:
             return 0
         for seq, _ in entries:

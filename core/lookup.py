@@ -9,8 +9,7 @@ only its row in that pass. `EngineConfig.lookup_tokens` turns it on.
 
 from __future__ import annotations
 
-from jitney.core.request import RequestStatus
-from jitney.core.sequence import Sequence
+from jitney.core.sequence import Sequence, greedy_decodes
 
 LOOKUP_NGRAMS = (3, 2)
 """The lengths of the tail looked up, longest first. On mixed-64's greedy outputs (a proposal of up to four
@@ -71,10 +70,8 @@ def guesses(entries: list[tuple[Sequence, int]], k: int, max_tokens: int, cache)
     engine's `CacheManager`); None for a plain step. Only where every entry decodes one greedy sample; a request's
     guesses stop before its last token, and all rows with their guesses stay within `max_tokens`. A request whose
     guesses find no room in the cache takes none."""
-    decoding = RequestStatus.DECODING
-    for seq, n in entries:
-        if n != 1 or seq.status is not decoding or not seq.params.greedy or seq.remaining != 1:
-            return None
+    if not greedy_decodes(entries):
+        return None
     budget, out = max_tokens - len(entries), []
     for seq, _ in entries:
         take = min(k, seq.max_new_tokens - len(seq.output_ids) - 1, budget)

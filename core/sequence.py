@@ -122,3 +122,10 @@ class Sequence:
         if start >= n:
             return self.output_ids[start - n : end - n]
         return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+
+def greedy_decodes(entries: list[tuple[Sequence, int]]) -> bool:
+    """Whether every entry of a step decodes one greedy sample: the steps speculation may take (the draft's
+    `Engine._speculation`, prompt lookup's `lookup.guesses`)."""
+    decoding = RequestStatus.DECODING
+    return all(n == 1 and seq.status is decoding and seq.params.greedy and seq.remaining == 1 for seq, n in entries)
