@@ -628,16 +628,26 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
   // keys (value rows) prefetched ahead, two blocks at `block_size` 16: 64 rows at 300 positions, best of 20, three
   // alternating processes, 16 / 32 / 64 ahead: 1175-1392 / 1099-1130 / 1135-1241 us a layer
   constexpr int64_t AHEAD = 32;
-  const int64_t group = heads / kv_heads, tasks = rows * kv_heads, rs = row_of<T>(dim);
+  const int64_t group = heads / kv_heads, rs = row_of<T>(dim);
   const float sc = (float)scale;
+  // Rows of one request's consecutive positions over the same block table (a checking pass's token and its
+  // guesses, `FusedDecoder.check` / `speculate`) go to one task a head, one row after the other: the rows after
+  // the first read that head's keys and values from the core's L2 instead of memory. Each row is computed as
+  // it would be alone.
+  std::vector<int64_t> starts{0};
+  for (int64_t r = 1; r < rows; ++r)
+    if (cp[r] != cp[r - 1] + 1 || std::memcmp(tp + r * width, tp + (r - 1) * width, width * sizeof(int64_t)) != 0)
+      starts.push_back(r);
+  starts.push_back(rows);
+  const int64_t runs = (int64_t)starts.size() - 1, tasks = runs * kv_heads;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
   std::atomic<int64_t> next{0};
   parallel(threads, 1, small, [&](int64_t, int64_t) {
     std::vector<float> scores, acc(group * dim), total(group);
     std::vector<T> zeros(rs, T{});  // (+0.0 in fp32 and in bf16; int8 codes 0 at scale 0)
     std::vector<const T*> krows, vrows;
-    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
-      const int64_t r = task / kv_heads, h = task % kv_heads;
+    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;)
+    for (int64_t r = starts[task / kv_heads], h = task % kv_heads; r < starts[task / kv_heads + 1]; ++r) {
       const int64_t len = std::min(cp[r], width * block_size);
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first, n16 = (n + 15) / 16 * 16;

@@ -142,3 +142,35 @@ def check_against_dense(backend, block_size, heads, kv_heads, window, dim, shape
         torch.testing.assert_close(out[0, row : row + n].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
         row += n
     return out
+
+
+@pytest.mark.parametrize("dim, heads, kv_heads", [(64, 9, 3), (16, 4, 4), (80, 8, 2)])
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_rows_of_one_request_equal_each_row_alone(dim, heads, kv_heads, window, dtype):
+    """A checking pass gives a request's token and its guesses as rows of consecutive positions over one block
+    table, which the decode kernel takes in one task a head (their keys read once from memory): each row's
+    output is bit for bit what the row gives alone, beside rows of other requests and a request's rows that
+    are not consecutive positions."""
+    from jitney.kernels import native
+
+    if not native.available():
+        pytest.skip("the decode kernel is jitney's C++")
+    kernel = native.load()
+    torch.manual_seed(dim + window)
+    block_size, slots = 16, 64 * 16
+    k = torch.randn(kv_heads, slots, dim).to(dtype)
+    v = torch.randn(kv_heads, slots, dim).to(dtype)
+    tables = [torch.randperm(64)[:12] for _ in range(3)]
+    # request 0: 3 rows; request 1: 1; request 2: 2 rows, then 2 more at positions that do not follow on
+    rows = [(0, 40), (0, 41), (0, 42), (1, 150), (2, 7), (2, 8), (2, 30), (2, 33)]
+    table = torch.stack([tables[r] for r, _ in rows]).contiguous()
+    ctx = torch.tensor([c for _, c in rows])
+    q = torch.randn(len(rows), heads, dim)
+    together = torch.empty_like(q)
+    kernel.paged_decode(q, k, v, table, ctx, together, dim ** -0.5, window, block_size, 0.0, None)
+    for i in range(len(rows)):
+        alone = torch.empty_like(q[i : i + 1])
+        kernel.paged_decode(q[i : i + 1].contiguous(), k, v, table[i : i + 1].contiguous(), ctx[i : i + 1], alone,
+                            dim ** -0.5, window, block_size, 0.0, None)
+        assert torch.equal(together[i], alone[0]), rows[i]
