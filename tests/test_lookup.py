@@ -33,6 +33,12 @@ def test_the_longer_run_is_looked_up_first_then_the_shorter():
     assert NgramIndex().propose(sequence([5, 5]), 4) == []  # too short to hold a run and its follower
 
 
+def test_tokens_repeating_with_a_short_period_are_guessed_to_go_on_repeating():
+    assert NgramIndex().propose(sequence([9, 1, 2, 1, 2]), 4) == [1, 2, 1, 2]  # 1 2 last occurred two tokens back
+    assert NgramIndex().propose(sequence([5, 6, 7, 7, 7]), 3) == [7, 7, 7]
+    assert NgramIndex().propose(sequence([3, 8, 4, 6, 8, 4]), 5) == [6, 8, 4, 6, 8]
+
+
 def test_the_index_follows_tokens_added_after_it_was_made():
     seq, index = sequence([1, 2, 3, 4]), NgramIndex()
     assert index.propose(seq, 4) == []
