@@ -2155,8 +2155,11 @@ std::vector<int64_t> argmax_rows(torch::Tensor x) {
 // 2^-20 of the row's largest logit, which the float arithmetic of the bounds themselves stays well within.
 // The sum over blocks is computed only for the features that a coarser bound keeps (the three blocks of the
 // largest t_b at their own, the others at the next largest). Rows with a non-finite input, or with more than
-// `SCREEN_MOST` candidates (a flat row, as from random weights), take every logit (`panel_rows`); where most
-// rows of a decoder's latest 128 did, its next 512 greedy steps do without the screen. SmolLM2 over mixed-64:
+// `SCREEN_MOST` candidates (a flat row, as from random weights), take every logit (`panel_rows`); where more
+// than a quarter of a decoder's latest 128 rows did, its next greedy steps do without the screen, 16 of them,
+// twice as many after each such window in a row, up to 512 (random weights: nearly every row; mixed-64: its
+// first 128 rows, first tokens after random prompts, 32%, then 0-23%; resting 512 steps from there left the
+// screen off for the whole run, 11.82-12.18 s against 11.10-11.47 with it on, alternating). SmolLM2 over mixed-64:
 // ~220 features a row past the coarse bounds, ~46 past the finer ones, none taking every logit; its LM head
 // 1.34 -> ~1.0 s of the run (the int8 pass 0.6-0.7 of it); one stream without speculation 56-59 -> 64-67 tok/s.
 struct HeadScreen {
@@ -2172,6 +2175,9 @@ struct HeadScreen {
 };
 
 static constexpr int64_t SCREEN_MOST = 512;
+// The greedy steps a decoder takes without the screen after a window of 128 rows of which more than a quarter
+// took every logit: SCREEN_REST, doubled after each such window in a row, up to SCREEN_REST_MOST.
+static constexpr int64_t SCREEN_REST = 16, SCREEN_REST_MOST = 512;
 
 // The type of unquantized panels' weights (int8 ones: none of these, kChar).
 static torch::ScalarType panels_dtype(const Panels& w) {
@@ -2529,6 +2535,9 @@ class FusedDecoder {
   // (the draft of a speculative step): pass j embeds each row's latest token (rows of `embedding` [V, C], times
   // the embedding's scale) at position ctx - 1 + j with the angles cos/sin[..., j, :] ([(sets,) M, >= k, D]).
   // Returns [M, k] int64.
+  // (greedy steps still to take without the screen, the steps of the next rest): what the tests look at
+  std::pair<int64_t, int64_t> screen_rest() const { return {screen_resting_, screen_rest_}; }
+
   torch::Tensor propose(torch::Tensor embedding, torch::Tensor ids, torch::Tensor cos, torch::Tensor sin,
                         std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<torch::Tensor> tables,
                         std::vector<int64_t> group_of_layer, torch::Tensor ctx, int64_t block_size, int64_t k) {
@@ -2665,7 +2674,12 @@ class FusedDecoder {
         screen_rows_ += kept;
         screen_missed_ += missed;
         if (screen_rows_ >= 128) {  // most rows took every logit anyway: the plain head for a while
-          if (4 * screen_missed_ > screen_rows_) screen_resting_ = 512;
+          if (4 * screen_missed_ > screen_rows_) {
+            screen_resting_ = screen_rest_;
+            screen_rest_ = std::min<int64_t>(SCREEN_REST_MOST, 2 * screen_rest_);
+          } else {
+            screen_rest_ = SCREEN_REST;
+          }
           screen_rows_ = screen_missed_ = 0;
         }
         return torch::tensor(tokens, ctx.options());
@@ -2719,6 +2733,7 @@ class FusedDecoder {
   HeadScreen screen_;  // (no `scale`: none)
   int64_t screen_rows_ = 0, screen_missed_ = 0;  // rows screened lately, and of them those that took every logit
   int64_t screen_resting_ = 0;  // greedy steps still to take without the screen
+  int64_t screen_rest_ = SCREEN_REST;  // the steps of the next rest
 
  public:
   // Seconds spent in attention (decode and prefill, every layer) since the decoder was built: where a step's
@@ -2767,6 +2782,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("tables"), py::arg("group_of_layer"), py::arg("ctx"), py::arg("qlens"), py::arg("decodes"),
            py::arg("keep"), py::arg("block_size"), py::arg("greedy") = false, nogil)
       .def("screen", &FusedDecoder::screen)
+      .def_property_readonly("screen_rest", &FusedDecoder::screen_rest)
       .def("propose", &FusedDecoder::propose, nogil)
       .def_readonly("attention_seconds", &FusedDecoder::attention_s_);
 }

@@ -147,10 +147,15 @@ def test_bench_measures_what_the_screen_gains(tmp_path):
 
 
 @vnni
-async def test_flat_logits_take_every_logit_and_the_same_tokens():
+async def test_flat_logits_take_every_logit_and_the_same_tokens(monkeypatch):
     # a head whose logits are all but equal: no row can be screened (more than 4,096 candidates), so each takes
-    # every logit, and after 128 such rows the decoder leaves the screen alone for a while: tokens unchanged
+    # every logit, and after 128 such rows the decoder leaves the screen alone for a while (16 steps, twice as
+    # many after each window of rows that missed again): tokens unchanged
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    decoders = []
+    real = cpu_layers.FusedDecoder.__init__
+    monkeypatch.setattr(cpu_layers.FusedDecoder, "__init__", lambda self, *a, **kw: real(self, *a, **kw) or decoders.append(self))
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -158,5 +163,7 @@ async def test_flat_logits_take_every_logit_and_the_same_tokens():
                                          eos_token_id=None, pad_token_id=0)).eval()
     with torch.no_grad():  # every feature's int8 copy the same
         model.lm_head.weight.copy_(model.lm_head.weight[0] + torch.randn(8192, 64) * 1e-7)
-    work = random_requests(10, 8192, max_prompt=20, max_new=40, seed=6)
+    work = random_requests(10, 8192, max_prompt=20, max_new=80, seed=6)
     assert await engine_tokens(model, work) == await engine_tokens(model, work, lm_head_screen=False)
+    resting, rest = decoders[0].native.screen_rest
+    assert rest >= 64  # the screen tried again after its first rest (16 steps) and after its second (32)
