@@ -646,62 +646,64 @@ static void decode_attention16(const float* qp, int64_t q_stride, int64_t rows, 
     std::vector<float> scores, acc(group * dim), total(group);
     std::vector<T> zeros(rs, T{});  // (+0.0 in fp32 and in bf16; int8 codes 0 at scale 0)
     std::vector<const T*> krows, vrows;
-    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;)
-    for (int64_t r = starts[task / kv_heads], h = task % kv_heads; r < starts[task / kv_heads + 1]; ++r) {
-      const int64_t len = std::min(cp[r], width * block_size);
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first, n16 = (n + 15) / 16 * 16;
-      scores.resize(group * n16);
-      krows.resize(n16);
-      vrows.resize(n);
-      const int64_t* table = tp + r * width;
-      const T* kh = kp + h * slots * rs;
-      const T* vh = vp + h * slots * rs;
-      for (int64_t pos = first, i = 0; pos < len;) {  // block by block (no division a key)
-        const int64_t b = pos / block_size, off = pos - b * block_size, count = std::min(len - pos, block_size - off);
-        const int64_t at = (table[b] * block_size + off) * rs;
-        for (int64_t c = 0; c < count; ++c, ++i) {
-          krows[i] = kh + at + c * rs;
-          vrows[i] = vh + at + c * rs;
+    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      const int64_t h = task % kv_heads;
+      for (int64_t r = starts[task / kv_heads]; r < starts[task / kv_heads + 1]; ++r) {
+        const int64_t len = std::min(cp[r], width * block_size);
+        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        const int64_t n = len - first, n16 = (n + 15) / 16 * 16;
+        scores.resize(group * n16);
+        krows.resize(n16);
+        vrows.resize(n);
+        const int64_t* table = tp + r * width;
+        const T* kh = kp + h * slots * rs;
+        const T* vh = vp + h * slots * rs;
+        for (int64_t pos = first, i = 0; pos < len;) {  // block by block (no division a key)
+          const int64_t b = pos / block_size, off = pos - b * block_size, count = std::min(len - pos, block_size - off);
+          const int64_t at = (table[b] * block_size + off) * rs;
+          for (int64_t c = 0; c < count; ++c, ++i) {
+            krows[i] = kh + at + c * rs;
+            vrows[i] = vh + at + c * rs;
+          }
+          pos += count;
         }
-        pos += count;
-      }
-      for (int64_t i = n; i < n16; ++i) krows[i] = zeros.data();
-      const float* q0 = qp + r * q_stride + h * group * dim;
-      for (int64_t g = 0; g < group;) {
-        const int64_t take = std::min<int64_t>(4, group - g);
-        float* s = scores.data() + g * n16;
-        if (take == 4) group_scores<4>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD);
-        else if (take == 3) group_scores<3>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD);
-        else if (take == 2) group_scores<2>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD);
-        else group_scores<1>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD);
-        g += take;
-      }
-      for (int64_t i = 0; i < std::min<int64_t>(n, AHEAD); ++i) prefetch_row(vrows[i], dim);  // while the weights compute
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * n16;
-        if (softcap > 0.f) soft_cap(sg, n, softcap);
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (int64_t i = 0; i < n; i += 16)
-          top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, n - i >= 16 ? 0xffff : (1u << (n - i)) - 1, sg + i));
-        total[g] = exp_sum_sink(sg, n, _mm512_reduce_max_ps(top), sinks ? sinks + h * group + g : nullptr);
-      }
-      for (int64_t g = 0; g < group;) {  // three heads x 64 dims of sums at a time (12 vectors)
-        const int64_t take = std::min<int64_t>(3, group - g);
-        for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-          const int64_t nv = std::min<int64_t>(4, (dim - d0) / 16);
-          const float* w = scores.data() + g * n16;
-          float* out = acc.data() + g * dim;
-          if (take == 3) group_values_any<3>(nv, w, n16, vrows.data(), n, d0, dim, out, AHEAD);
-          else if (take == 2) group_values_any<2>(nv, w, n16, vrows.data(), n, d0, dim, out, AHEAD);
-          else group_values_any<1>(nv, w, n16, vrows.data(), n, d0, dim, out, AHEAD);
+        for (int64_t i = n; i < n16; ++i) krows[i] = zeros.data();
+        const float* q0 = qp + r * q_stride + h * group * dim;
+        for (int64_t g = 0; g < group;) {
+          const int64_t take = std::min<int64_t>(4, group - g);
+          float* s = scores.data() + g * n16;
+          if (take == 4) group_scores<4>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD);
+          else if (take == 3) group_scores<3>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD);
+          else if (take == 2) group_scores<2>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD);
+          else group_scores<1>(q0 + g * dim, dim, krows.data(), n16, sc, s, n16, AHEAD);
+          g += take;
         }
-        g += take;
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = op + (r * heads + h * group + g) * dim;
-        const float inv = 1.f / total[g];
-        for (int64_t d = 0; d < dim; ++d) o[d] = acc[g * dim + d] * inv;
+        for (int64_t i = 0; i < std::min<int64_t>(n, AHEAD); ++i) prefetch_row(vrows[i], dim);  // while the weights compute
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * n16;
+          if (softcap > 0.f) soft_cap(sg, n, softcap);
+          __m512 top = _mm512_set1_ps(-INFINITY);
+          for (int64_t i = 0; i < n; i += 16)
+            top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, n - i >= 16 ? 0xffff : (1u << (n - i)) - 1, sg + i));
+          total[g] = exp_sum_sink(sg, n, _mm512_reduce_max_ps(top), sinks ? sinks + h * group + g : nullptr);
+        }
+        for (int64_t g = 0; g < group;) {  // three heads x 64 dims of sums at a time (12 vectors)
+          const int64_t take = std::min<int64_t>(3, group - g);
+          for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+            const int64_t nv = std::min<int64_t>(4, (dim - d0) / 16);
+            const float* w = scores.data() + g * n16;
+            float* out = acc.data() + g * dim;
+            if (take == 3) group_values_any<3>(nv, w, n16, vrows.data(), n, d0, dim, out, AHEAD);
+            else if (take == 2) group_values_any<2>(nv, w, n16, vrows.data(), n, d0, dim, out, AHEAD);
+            else group_values_any<1>(nv, w, n16, vrows.data(), n, d0, dim, out, AHEAD);
+          }
+          g += take;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* o = op + (r * heads + h * group + g) * dim;
+          const float inv = 1.f / total[g];
+          for (int64_t d = 0; d < dim; ++d) o[d] = acc[g * dim + d] * inv;
+        }
       }
     }
   });
@@ -2531,13 +2533,13 @@ class FusedDecoder {
     screen_t_ = {weight, packed, scales, spread, blocks, feature_blocks};
   }
 
+  // (greedy steps still to take without the screen, the steps of the next rest): what the tests look at
+  std::pair<int64_t, int64_t> screen_rest() const { return {screen_resting_, screen_rest_}; }
+
   // k greedy tokens after each row's token `ids` ([M] int64), one `forward` each with no Python between them
   // (the draft of a speculative step): pass j embeds each row's latest token (rows of `embedding` [V, C], times
   // the embedding's scale) at position ctx - 1 + j with the angles cos/sin[..., j, :] ([(sets,) M, >= k, D]).
   // Returns [M, k] int64.
-  // (greedy steps still to take without the screen, the steps of the next rest): what the tests look at
-  std::pair<int64_t, int64_t> screen_rest() const { return {screen_resting_, screen_rest_}; }
-
   torch::Tensor propose(torch::Tensor embedding, torch::Tensor ids, torch::Tensor cos, torch::Tensor sin,
                         std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<torch::Tensor> tables,
                         std::vector<int64_t> group_of_layer, torch::Tensor ctx, int64_t block_size, int64_t k) {

@@ -165,5 +165,5 @@ async def test_flat_logits_take_every_logit_and_the_same_tokens(monkeypatch):
         model.lm_head.weight.copy_(model.lm_head.weight[0] + torch.randn(8192, 64) * 1e-7)
     work = random_requests(10, 8192, max_prompt=20, max_new=80, seed=6)
     assert await engine_tokens(model, work) == await engine_tokens(model, work, lm_head_screen=False)
-    resting, rest = decoders[0].native.screen_rest
+    _, rest = decoders[0].native.screen_rest
     assert rest >= 64  # the screen tried again after its first rest (16 steps) and after its second (32)
