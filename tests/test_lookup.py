@@ -117,7 +117,7 @@ async def test_lookup_takes_the_steps_the_draft_does_not(llama):
     refs = [reference(llama, p, n) for p, n in work]
     steps = Steps()
     async with Engine(llama, config=EngineConfig(block_size=4, num_blocks=400), plugins=[steps]) as engine:
-        assert (engine.speculate, engine.lookup) == (4, 4)  # (the defaults)
+        assert (engine.speculate, engine.lookup) == (8, 4)  # (the defaults)
         assert await generate_all(engine, [greedy(p, n) for p, n in work]) == refs
     assert any(s.draft_tokens and s.requests > 5 for s in steps.steps)
 

@@ -68,6 +68,20 @@ async def test_speculative_steps_give_generates_tokens(make, count):
     assert all(s.draft_tokens == 0 for s in steps.steps if s.requests > rows // 3)
 
 
+@pytest.mark.parametrize("count", [1, 2])
+async def test_by_default_a_request_decoding_alone_gets_eight_proposals_a_step(count):
+    # (speculative_max_rows caps them by the rows: 7 each for two requests)
+    model = tiny_llama()
+    work = [(prompt, 40) for prompt, _ in random_requests(count, model.config.vocab_size, seed=10 + count)]
+    refs = [reference(model, p, n) for p, n in work]
+    steps = Steps()
+    async with Engine(model, config=EngineConfig(lookup_tokens=0, block_size=4, num_blocks=200), plugins=[steps]) as engine:
+        assert engine.speculate == 8
+        assert await generate_all(engine, [greedy(p, n) for p, n in work]) == refs
+    most = {1: 8, 2: 14}[count]
+    assert max(s.draft_tokens for s in steps.steps if s.requests == count) == most
+
+
 async def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(llama):
     prompt = list(range(5, 25))
     ref = reference(llama, prompt, 40)
