@@ -2675,7 +2675,7 @@ class FusedDecoder {
         auto tokens = screened_argmax(hn.get(), kept, head_, screen_, kept <= 2, &missed);
         screen_rows_ += kept;
         screen_missed_ += missed;
-        if (screen_rows_ >= 128) {  // most rows took every logit anyway: the plain head for a while
+        if (screen_rows_ >= 128) {  // over a quarter of the rows took every logit: the plain head for a while
           if (4 * screen_missed_ > screen_rows_) {
             screen_resting_ = screen_rest_;
             screen_rest_ = std::min<int64_t>(SCREEN_REST_MOST, 2 * screen_rest_);
