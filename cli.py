@@ -80,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.record_trace:
             raise ValueError("--record-trace records one engine's traffic: use it with --replicas 1")
         from jitney.core.hooks import make_plugin_manager, registry
-        from jitney.routers import RouterConfig
+        from jitney.routers.base import RouterConfig
         from jitney.serve.cluster import Fleet, serve_fleet
 
         registry(make_plugin_manager(), "router").create(args.router, RouterConfig())  # (an unknown name: here)

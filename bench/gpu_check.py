@@ -24,8 +24,9 @@ import time
 def check_kernels(device: str) -> list[str]:
     import torch
 
-    from jitney.cache import CacheManager
-    from jitney.kernels import StepInputs, TorchPagedAttention
+    from jitney.cache.manager import CacheManager
+    from jitney.kernels.base import StepInputs
+    from jitney.kernels.torch_paged import TorchPagedAttention
     from jitney.kernels.triton_paged import TritonPagedAttention
 
     failures = []

@@ -221,7 +221,7 @@ async def _drive(engines: list, clocks: list[VirtualClock], work: list[Arrival],
     from tqdm import tqdm
 
     from jitney import Request, SamplingParams
-    from jitney.routers import ReplicaLoad, RoutedRequest
+    from jitney.routers.base import ReplicaLoad, RoutedRequest
 
     def busy(engine) -> bool:
         return bool(engine.waiting or engine.active or engine.preempter.offloaded)
@@ -267,7 +267,7 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timel
     from jitney import Engine, EngineConfig
     from jitney.core.hooks import make_plugin_manager, registry
     from jitney.plugins.timeline import ScheduleTimeline
-    from jitney.routers import RouterConfig
+    from jitney.routers.base import RouterConfig
 
     if timeline_path and replicas > 1:
         raise ValueError("--timeline draws one engine's schedule: simulate a fleet without it")

@@ -26,7 +26,7 @@ class Hookspecs:
         """Register scheduler factories, called once when an engine starts.
 
         Call ``register(name, factory)`` once per scheduler; ``factory(config)`` returns an object following
-        `jitney.schedulers.Scheduler`. The config's ``scheduler`` field selects one by name.
+        `jitney.schedulers.base.Scheduler`. The config's ``scheduler`` field selects one by name.
         """
 
     @hookspec
@@ -34,7 +34,7 @@ class Hookspecs:
         """Register attention backend factories, called once when an engine starts.
 
         Call ``register(name, factory)``; ``factory(device)`` returns an object following
-        `jitney.kernels.AttentionBackend`. The config's ``attention_backend`` field selects one by name.
+        `jitney.kernels.base.AttentionBackend`. The config's ``attention_backend`` field selects one by name.
         """
 
     @hookspec
@@ -58,8 +58,8 @@ class Hookspecs:
     def jitney_register_routers(self, register: Callable[[str, Callable[..., Any]], None]) -> None:
         """Register router factories, called once when a fleet of replicas starts (`jitney serve --replicas`).
 
-        Call ``register(name, factory)``; ``factory(config)`` (a `jitney.routers.RouterConfig`) returns an object
-        following `jitney.routers.Router`. ``--router`` selects one by name.
+        Call ``register(name, factory)``; ``factory(config)`` (a `jitney.routers.base.RouterConfig`) returns an object
+        following `jitney.routers.base.Router`. ``--router`` selects one by name.
         """
 
     @hookspec

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from jitney.core.request import Completion, Request, RequestError, Sample, SamplingParams, Token
-from jitney.routers import ReplicaLoad, RoutedRequest, RouterConfig
+from jitney.routers.base import ReplicaLoad, RoutedRequest, RouterConfig
 from jitney.serve.protocol import ApiError
 
 log = logging.getLogger("jitney.serve")

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from jitney.cache import CacheManager
-from jitney.kernels import StepInputs, TorchPagedAttention
+from jitney.cache.manager import CacheManager
+from jitney.kernels.base import StepInputs
+from jitney.kernels.torch_paged import TorchPagedAttention
 
 
 def dense(q, k, v, qpos, window, softcap=None, sinks=None):

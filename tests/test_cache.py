@@ -9,7 +9,9 @@ import sys
 import pytest
 import torch
 
-from jitney.cache import BlockPool, CacheManager, LayerGroup
+from jitney.cache.pool import BlockPool
+
+from jitney.cache.manager import CacheManager, LayerGroup
 
 
 def make_cache(num_blocks: int = 8, groups=None) -> CacheManager:
@@ -170,7 +172,8 @@ def test_block_count_is_solved_from_available_memory(llama, monkeypatch):
 
 _MEASURE_CACHE = """
 import torch
-from jitney.cache import CacheManager, sizing
+from jitney.cache import sizing
+from jitney.cache.manager import CacheManager
 
 def rss():
     with open("/proc/self/status") as f:

@@ -20,7 +20,8 @@ from jitney import Engine, EngineConfig, Request, RequestError, SamplingParams
 from jitney.cache.offload import CpuSwapPool
 from jitney.core import sampling
 from jitney.core.hooks import hookimpl
-from jitney.schedulers import Batch, FifoScheduler
+from jitney.schedulers.base import Batch
+from jitney.schedulers.fifo import FifoScheduler
 
 MODEL = tiny_llama()
 SHAPES = [([random.Random(i).randrange(3, 256) for _ in range(random.Random(i).randint(1, 24))],

@@ -16,7 +16,8 @@ from jitney.core import events as ev
 from jitney.core import sampling
 from jitney.core.hooks import hookimpl
 from jitney.core.request import Priority
-from jitney.schedulers import Batch, FifoScheduler
+from jitney.schedulers.base import Batch
+from jitney.schedulers.fifo import FifoScheduler
 
 
 def greedy(prompt, n, **kw):

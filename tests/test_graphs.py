@@ -11,11 +11,11 @@ from support import random_requests, reference, tiny_gemma2, tiny_mistral
 from test_engine import greedy, run_all
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
-from jitney.cache import CacheManager
+from jitney.cache.manager import CacheManager
 from jitney.core import events as ev
 from jitney.core.graphs import DecodeShape, StaticDecoder, decode_shape, padded
 from jitney.core.hooks import hookimpl
-from jitney.kernels import TorchPagedAttention
+from jitney.kernels.torch_paged import TorchPagedAttention
 
 
 def test_padding_rounds_up_to_the_interval():

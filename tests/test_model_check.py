@@ -10,7 +10,7 @@ from support import reference, scaled_tiny
 from jitney import Engine, EngineConfig, Request, SamplingParams
 from jitney.core.hooks import hookimpl
 from jitney.core.selfcheck import UnfaithfulModel
-from jitney.kernels import TorchPagedAttention
+from jitney.kernels.torch_paged import TorchPagedAttention
 
 
 def tiny(config_class, model_class, **kw):

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from support import reference
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
-from jitney.cache import CacheManager
+from jitney.cache.manager import CacheManager
 from jitney.cache.eviction import FirstInFirstOut, LeastFrequentlyUsed, LeastRecentlyUsed, MostRecentFirst
 from jitney.core import events as ev
 from jitney.core.hooks import hookimpl

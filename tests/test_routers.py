@@ -9,7 +9,7 @@ import pytest
 
 from jitney.cache.manager import block_hashes
 from jitney.core.hooks import make_plugin_manager, registry
-from jitney.routers import LeastLoaded, PrefixAffinity, ReplicaLoad, RoundRobin, RoutedRequest, RouterConfig
+from jitney.routers.base import LeastLoaded, PrefixAffinity, ReplicaLoad, RoundRobin, RoutedRequest, RouterConfig
 
 
 def requests(count: int, prefix: list[int], seed: int = 0) -> list[RoutedRequest]:

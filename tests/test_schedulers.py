@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from jitney import EngineConfig, Request, SamplingParams
-from jitney.cache import CacheManager
+from jitney.cache.manager import CacheManager
 from jitney.core.sequence import Sequence
 from jitney.core.request import Priority
-from jitney.schedulers import FifoScheduler, PrefillFirstScheduler, PriorityScheduler
+from jitney.schedulers.fifo import FifoScheduler, PrefillFirstScheduler
+from jitney.schedulers.priority import PriorityScheduler
 
 
 def seq(prompt_len: int, arrival: int, computed: int = 0, outputs: int = 0, priority: int = 0) -> Sequence:
@@ -212,7 +213,7 @@ async def test_a_scheduler_may_observe_lifecycle_events(llama):
 
 
 def test_decodes_then_prefills_is_the_two_helpers_in_one_pass():
-    from jitney.schedulers import decodes, decodes_then_prefills, prefills
+    from jitney.schedulers.base import decodes, decodes_then_prefills, prefills
 
     rng = random.Random(4)
     active = [seq(30, i, computed=rng.choice([0, 12, 29, 30, 30, 31]), outputs=1) for i in range(40)]  # 31 tokens each
@@ -222,7 +223,7 @@ def test_decodes_then_prefills_is_the_two_helpers_in_one_pass():
 
 @pytest.mark.parametrize("tokens, requests", [(10_000, 256), (25, 256), (10_000, 9)])
 def test_one_pass_batch_is_the_batch_of_decodes_then_prefills(tokens, requests):
-    from jitney.schedulers import BatchBuilder, decodes_then_prefills
+    from jitney.schedulers.base import BatchBuilder, decodes_then_prefills
 
     rng = random.Random(5)
     active = []

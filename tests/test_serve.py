@@ -13,7 +13,7 @@ from support import serving
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
 from jitney.plugins.metrics import PrometheusMetrics
-from jitney.serve import build_app
+from jitney.serve.app import build_app
 
 KEY = "test-key"
 PROMPT = "The capital of France is"

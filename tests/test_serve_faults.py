@@ -31,7 +31,7 @@ from support import serving
 from jitney import Engine, EngineConfig
 from jitney.core.models import embedded_checkpoint
 from jitney.plugins.metrics import PrometheusMetrics
-from jitney.serve import build_app
+from jitney.serve.app import build_app
 
 KEY = "fault-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

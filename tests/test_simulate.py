@@ -225,7 +225,7 @@ def test_fair_share_keeps_one_tenants_burst_from_holding_the_other_back(tiny_con
 
 
 async def test_request_metadata_is_what_a_scheduler_sees():
-    from jitney.schedulers import FifoScheduler
+    from jitney.schedulers.fifo import FifoScheduler
 
     seen = []
 

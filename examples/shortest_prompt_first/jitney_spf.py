@@ -1,7 +1,7 @@
 """A jitney scheduler plugin: active requests as FIFO does, then waiting requests shortest prompt first."""
 
 from jitney.core.hooks import hookimpl
-from jitney.schedulers import BatchBuilder, decodes, prefills
+from jitney.schedulers.base import BatchBuilder, decodes, prefills
 
 
 class ShortestPromptFirst:

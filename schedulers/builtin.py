@@ -1,15 +1,12 @@
-"""Scheduler plugins: the `Scheduler` role, a budget-keeping helper, and the built-in policies."""
+"""The built-in schedulers, registered through the same entry point a third-party package uses.
+
+A scheduler plugin builds on `jitney.schedulers.base` (the `Scheduler` role, `BatchBuilder` and the selection
+helpers `decodes`, `prefills`, `decodes_then_prefills`)."""
 
 from jitney.core.hooks import hookimpl
-from jitney.schedulers.base import Batch, BatchBuilder, CacheView, Scheduler, decodes, decodes_then_prefills, prefills
 from jitney.schedulers.fair_share import FairShareScheduler
 from jitney.schedulers.fifo import FifoScheduler, PrefillFirstScheduler
 from jitney.schedulers.priority import PriorityScheduler
-
-__all__ = [
-    "Batch", "BatchBuilder", "CacheView", "FairShareScheduler", "FifoScheduler", "PrefillFirstScheduler", "PriorityScheduler",
-    "Scheduler", "decodes", "decodes_then_prefills", "prefills",
-]
 
 
 @hookimpl

@@ -1,1 +1,0 @@
-"""Engine core: config, requests, events, plugin hooks, the engine and its step executor."""

@@ -1,1 +1,0 @@
-"""Observers of the engine's event bus."""
