@@ -28,11 +28,16 @@ $(MODEL): $(STAMP)
 demo: $(MODEL)
 	$(BIN)/jitney generate "Write a short story about a robot who learns to paint." --max-new-tokens 120
 
+# The suite against kernels built for this CPU, then the kernel, fused-decoder and start-up-check tests against
+# kernels built for another instruction-set level (x86-64-v3: AVX2 and FMA, the 8-wide paths an AVX-512 build
+# never runs); `make nightly` builds every level and tuning (docs/reliability.md).
 test: $(MODEL)
 	$(BIN)/pytest
+	$(BIN)/python -m jitney.bench.levels --targets x86-64-v3 --tests quick
 
 nightly: $(MODEL)
 	$(BIN)/pytest -m nightly
+	$(BIN)/python -m jitney.bench.levels --margins
 
 bench: $(MODEL)
 	$(BIN)/jitney bench --workload mixed-64

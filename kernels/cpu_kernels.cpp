@@ -19,7 +19,7 @@
 #include <unistd.h>
 #include <utility>
 #include <vector>
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -161,6 +161,28 @@ static inline v8 load8(const at::Half* p) {
 #endif
 }
 
+// a * b + c. The file is built with -ffp-contract=off: a multiply and an add written apart are never fused, and
+// these always are (one rounding) where the CPU has FMA. Which multiply-adds fuse is then the source's choice, not
+// the compiler's, so two paths that run the same source on the same values (a bf16 cache widened, an fp32 cache of
+// the same values; tiles of 5 rows or of 12) give the same bits at every level and tuning.
+static inline float madd(float a, float b, float c) {
+#ifdef __FMA__
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+static inline v8 madd(v8 a, v8 b, v8 c) {
+#ifdef __FMA__
+  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+static inline v8 madd(float a, v8 b, v8 c) { return madd(v8{a, a, a, a, a, a, a, a}, b, c); }
+template <typename T>
+T madd(T, T, T) = delete;  // (no integer multiply-add by way of float)
+
 static inline float hsum(v8 v) {
 #if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector: halves added as vectors
   const v4 x = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
@@ -170,6 +192,64 @@ static inline float hsum(v8 v) {
   return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 #endif
 }
+
+typedef int32_t vi8 __attribute__((vector_size(32)));
+
+// exp of each lane (the softmax's, the gated activations'): Cephes' expf, within 2 ulp of exp, written out so that
+// it vectorises at every level without libm's vector functions (which glibc offers only under fast-math) and
+// gives the same bits wherever one build runs it. Past 88 it gives +inf (exp(88) is 1.7e38); below -87.3, 0 (exp's
+// values there are below 1.2e-38, nothing next to the sums they join); a NaN stays a NaN. V: 8 or 16 floats, I: as
+// many int32.
+template <typename V, typename I>
+static inline V vexp(V x) {
+  const V hi = V{} + 88.f, lo = V{} - 87.33654f, big = V{} + 12582912.f;  // big: 1.5 x 2^23, rounds to an integer
+  V c = x > hi ? hi : x;
+  c = c < lo ? lo : c;
+  const V n = (c * 1.44269504088896341f + big) - big;  // round(x / ln 2)
+  const V r = (c - n * 0.693359375f) - n * -2.12194440e-4f;  // x - n ln 2, ln 2 in two parts
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;  // 2^n
+  V scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  V y = p * scale;
+  y = x < lo ? V{} : y;
+  return x > hi ? V{} + __builtin_inff() : y;
+}
+
+// The widest vector of floats the level has, for the loops through exp: 16 lanes with AVX-512, else 8.
+#ifdef __AVX512F__
+typedef float vw __attribute__((vector_size(64)));
+typedef int32_t vwi __attribute__((vector_size(64)));
+static inline float hsum(vw v) {
+  v8 lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const float*>(&v) + 8, sizeof hi);
+  return hsum(lo + hi);
+}
+#else
+typedef v8 vw;
+typedef vi8 vwi;
+#endif
+constexpr int64_t WIDE = sizeof(vw) / sizeof(float);
+
+static inline vw expw(vw x) { return vexp<vw, vwi>(x); }
+static inline float exp1(float x) { return expw(vw{} + x)[0]; }  // the lanes' arithmetic, for one value
+static inline vw loadw(const float* p) { return load_floats<vw>(p); }
+static inline void storew(float* p, vw v) { std::memcpy(p, &v, sizeof v); }
+
+// The first k (< WIDE) floats at p as a vector, the rest `pad`; and the first k lanes of v stored at p.
+static inline vw loadw_part(const float* p, int64_t k, float pad) {
+  vw v = vw{} + pad;
+  std::memcpy(&v, p, k * sizeof(float));
+  return v;
+}
+static inline void storew_part(float* p, vw v, int64_t k) { std::memcpy(p, &v, k * sizeof(float)); }
 
 // A KV cache holds fp32, or bf16 (`EngineConfig.kv_cache_dtype`: the upper halves of fp32 values, kept as their
 // bits); an element as fp32, widened exactly.
@@ -182,8 +262,8 @@ static inline float to_float(uint16_t x) {
 }
 
 // n fp32 values into the cache: as they are, or rounded to bf16 to nearest even, as torch rounds them (so that a
-// step written here and one written by torch's `index_copy_` leave the same bits; a NaN, told by its bits since
-// fast-math drops `isnan`, stays a NaN).
+// step written here and one written by torch's `index_copy_` leave the same bits; a NaN, told by its bits, stays a
+// NaN).
 static inline void store_row(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
 static inline void store_row(const float* src, int64_t n, uint16_t* dst) {
   for (int64_t i = 0; i < n; ++i) {
@@ -196,7 +276,7 @@ static inline void store_row(const float* src, int64_t n, uint16_t* dst) {
 // int8 K/V (`EngineConfig.kv_cache_dtype="int8"`): a row (one position of one KV head) holds `dim` codes and then
 // its scale's four bytes (fp32); the row's values are code * scale. scale = max |x| * (1 / 127) and code = x *
 // (127 / max |x|) rounded half to even, computed as `kernels/base.quantize_kv` computes them (the same operations
-// in the same order, so here without fast-math's rewrites): torch's reference rounds a row as this does. A row
+// in the same order): torch's reference rounds a row as this does. A row
 // with a NaN or an infinity stores codes 0 and a NaN scale: every value it gives is NaN; a row whose largest
 // magnitude is below 2^-120 (where 127 / max |x| would overflow) stores codes 0: values 0.
 static inline float to_float(int8_t x) { return (float)x; }
@@ -228,8 +308,6 @@ static inline float row_scale(const T* row, int64_t dim) {
 
 constexpr float KV8_UNIT = 1.0f / 127.0f, KV8_SMALLEST = 0x1p-120f;
 
-#pragma GCC push_options
-#pragma GCC optimize("no-fast-math")
 static void __attribute__((noinline)) store_row(const float* src, int64_t n, int8_t* dst) {
 #ifdef __AVX512F__
   if (n % 16 == 0) {  // (scalar: 6,120 rows of 64, a 34-row decode step's for SmolLM2, took 1.7-2.0 ms)
@@ -266,7 +344,6 @@ static void __attribute__((noinline)) store_row(const float* src, int64_t n, int
   for (int64_t i = 0; i < n; ++i) dst[i] = (int8_t)__builtin_nearbyintf(finite ? src[i] * inv : 0.f);
   std::memcpy(dst + n, &scale, sizeof scale);
 }
-#pragma GCC pop_options
 
 // fn(keys, values) over a layer's cache as its elements are stored: fp32, bf16 (as their bits) or int8 rows.
 template <typename F>
@@ -301,13 +378,13 @@ static inline void key_scores(const float* q, const T* k, int64_t dim, int64_t d
     for (int j = 0; j < P; ++j) kv[j] = load8(k + j * rs + d);
     for (int g = 0; g < HEADS; ++g) {
       const v8 qv = load8(q + g * dim + d);
-      for (int j = 0; j < P; ++j) acc[g][j] += qv * kv[j];
+      for (int j = 0; j < P; ++j) acc[g][j] = madd(qv, kv[j], acc[g][j]);
     }
   }
   for (int g = 0; g < HEADS; ++g)
     for (int j = 0; j < P; ++j) {
       float sum = hsum(acc[g][j]);
-      for (int64_t d = dim8; d < dim; ++d) sum += q[g * dim + d] * to_float(k[j * rs + d]);
+      for (int64_t d = dim8; d < dim; ++d) sum = madd(q[g * dim + d], to_float(k[j * rs + d]), sum);
       s[g * ld + j] = sum * scale * row_scale(k + j * rs, dim);
     }
 }
@@ -330,7 +407,7 @@ static inline void weighted_values(const float* p, const T* v, const T* s, int64
   for (int c = 0; c < NV; ++c) acc[c] = load8(out + 8 * c);
   for (int64_t i = 0; i < count; ++i) {
     const float pi = p[i] * row_scale(s + i * rs, dim);
-    for (int c = 0; c < NV; ++c) acc[c] += pi * load8(v + i * rs + 8 * c);
+    for (int c = 0; c < NV; ++c) acc[c] = madd(pi, load8(v + i * rs + 8 * c), acc[c]);
   }
   std::memcpy(out, acc, sizeof acc);
 }
@@ -350,22 +427,29 @@ static inline void weighted_values_any(int64_t nv, const float* p, const T* v, c
   }
 }
 
-// s[i] = exp(s[i] - m) for n scores (m: their largest, so that none overflows); returns their sum.
+// s[i] = exp(s[i] - m) for n scores (m: their largest, so that none overflows); returns their sum (WIDE partial
+// sums, lane by lane, then added as `hsum` adds them).
 static inline float exp_sum(float* s, int64_t n, float m) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) {
-    s[i] = expf(s[i] - m);
-    sum += s[i];
+  vw sum{};
+  int64_t i = 0;
+  for (; i + WIDE <= n; i += WIDE) {
+    const vw e = expw(loadw(s + i) - m);
+    storew(s + i, e);
+    sum += e;
   }
-  return sum;
+  if (i < n) {  // the rest in one vector, its unused lanes exp(-inf) = 0
+    const vw e = expw(loadw_part(s + i, n - i, -__builtin_inff()) - m);
+    storew_part(s + i, e, n - i);
+    sum += e;
+  }
+  return hsum(sum);
 }
 
 // `exp_sum` where a head may have a sink (GPT-OSS): a logit that joins the softmax's denominator with no value.
 static inline float exp_sum_sink(float* s, int64_t n, float m, const float* sink) {
   if (!sink) return exp_sum(s, n, m);
   m = std::max(m, *sink);
-  return exp_sum(s, n, m) + expf(*sink - m);
+  return exp_sum(s, n, m) + exp1(*sink - m);
 }
 
 // Soft-capping of scaled scores (Gemma2): cap * tanh(s / cap), before the mask as in transformers.
@@ -455,7 +539,7 @@ static void decode_attention(const float* qp, int64_t q_stride, int64_t rows, in
             weighted_values_any(std::min<int64_t>(8, (dim8 - d) / 8), sg + i0, v + d, v, count, dim, ag + d);
           for (int64_t d = dim8; d < dim; ++d)
             for (int64_t i = 0; i < count; ++i)
-              ag[d] += sg[i0 + i] * row_scale(v + i * rs, dim) * to_float(v[i * rs + d]);
+              ag[d] = madd(sg[i0 + i] * row_scale(v + i * rs, dim), to_float(v[i * rs + d]), ag[d]);
         });
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -935,8 +1019,8 @@ static inline void panel_tile(const float* xp, int64_t k, const W* panel, float*
     if (next) __builtin_prefetch(next + c * PANEL);
     for (int r = 0; r < ROWS; ++r) {
       const float s = xp[r * k + c];
-      acc[r][0] += s * w0;
-      acc[r][1] += s * w1;
+      acc[r][0] = madd(s, w0, acc[r][0]);
+      acc[r][1] = madd(s, w1, acc[r][1]);
     }
   }
   for (int r = 0; r < ROWS; ++r) store_panel(acc[r], yp + r * ldy, cols, bias);
@@ -959,10 +1043,10 @@ static inline void panel_pair(const float* xp, int64_t k, const W* panel, float*
     const v8 u0 = load8(second + c * PANEL), u1 = load8(second + c * PANEL + 8);
     for (int r = 0; r < ROWS; ++r) {
       const float s = xp[r * k + c];
-      a[r][0] += s * w0;
-      a[r][1] += s * w1;
-      b[r][0] += s * u0;
-      b[r][1] += s * u1;
+      a[r][0] = madd(s, w0, a[r][0]);
+      a[r][1] = madd(s, w1, a[r][1]);
+      b[r][0] = madd(s, u0, b[r][0]);
+      b[r][1] = madd(s, u1, b[r][1]);
     }
   }
   for (int r = 0; r < ROWS; ++r) {
@@ -991,6 +1075,8 @@ typedef uint16_t h16 __attribute__((vector_size(32)));
 typedef uint32_t u16v __attribute__((vector_size(64)));
 
 static inline v16 load16(const float* p) { return load_floats<v16>(p); }
+static inline v16 madd(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+static inline v16 madd(float a, v16 b, v16 c) { return madd((v16)_mm512_set1_ps(a), b, c); }
 static inline v16 load16(const uint16_t* p) { return load_bf16<v16, h16, u16v>(p); }
 
 static inline v16 load16(const at::Half* p) {  // fp16, widened
@@ -1016,8 +1102,8 @@ static inline void panel_tile16(const float* xp, int64_t k, const W* panel, cons
     }
     for (int r = 0; r < ROWS; ++r) {
       const float s = xp[r * k + c];
-      a[r] += s * w;
-      b[r] += s * u;
+      a[r] = madd(s, w, a[r]);
+      b[r] = madd(s, u, b[r]);
     }
   }
   for (int r = 0; r < ROWS; ++r) {
@@ -1050,7 +1136,7 @@ static inline void panel_few(const float* xp, int64_t k, const W* panel, float* 
     for (int q = 0; q < NP; ++q) w[q] = load16(panel + q * k * PANEL + c * PANEL);
     for (int r = 0; r < ROWS; ++r) {
       const float s = xp[r * k + c];
-      for (int q = 0; q < NP; ++q) acc[r][q] += s * w[q];
+      for (int q = 0; q < NP; ++q) acc[r][q] = madd(s, w[q], acc[r][q]);
     }
   }
   for (int r = 0; r < ROWS; ++r)
@@ -1110,8 +1196,8 @@ static inline void qpanel_tile(const float* xp, int64_t k, const int8_t* panel, 
     for (int r = 0; r < ROWS; ++r) {
       const float s = xp[r * k + c];
       for (int q = 0; q < NP; ++q) {
-        acc[r][q][0] += s * w[q][0];
-        acc[r][q][1] += s * w[q][1];
+        acc[r][q][0] = madd(s, w[q][0], acc[r][q][0]);
+        acc[r][q][1] = madd(s, w[q][1], acc[r][q][1]);
       }
     }
   }
@@ -1156,7 +1242,7 @@ static inline void qpanel_few(const float* xp, int64_t k, const int8_t* panel, i
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + q * width + c * PANEL))));
     for (int r = 0; r < ROWS; ++r) {
       const float s = xp[r * k + c];
-      for (int q = 0; q < NP; ++q) acc[r][q] += s * w[q];
+      for (int q = 0; q < NP; ++q) acc[r][q] = madd(s, w[q], acc[r][q]);
     }
   }
   for (int q = 0; q < NP; ++q) {
@@ -1439,7 +1525,7 @@ static void a8_rows_rounded(const uint8_t* q, const float* s, int64_t m, const P
             int32_t dot = sums[b * PANEL + f];
             for (int64_t c = b * A8_BLOCK; c < (b + 1) * A8_BLOCK; ++c)
               dot += int32_t(q[r * k + c]) * int32_t(int8_t(panel[((c / 4) * PANEL + f) * 4 + c % 4]));
-            total += float(dot) * s[r * blocks + b];
+            total = madd(float(dot), s[r * blocks + b], total);
           }
           const int64_t j = p * PANEL + f;
           yp[r * n + j] = total * scale[f] + (w.bias ? w.bias[j] : 0.f);
@@ -1453,26 +1539,21 @@ static void a8_rows_rounded(const uint8_t* q, const float* s, int64_t m, const P
 // gelu_pytorch_tanh).
 enum Activation : int64_t { SILU = 0, GELU_TANH = 1 };
 
-// Both as g / (1 + exp(z)), z at most 80: past it the result is 0 to float precision either way, and the file is
-// built with fast-math, which assumes no infinities (exp's overflow gave NaNs).
-static inline float silu(float g) { return g / (1.f + expf(std::min(-g, 80.f))); }
-
-// 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), as torch computes it, written as g / (1 + exp(-2u)):
-// the same function (1 + tanh(u) = 2 / (1 + exp(-2u))), through exp, which vectorises as SiLU's does.
-static inline float gelu_tanh(float g) {
-  const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-  return g / (1.f + expf(std::min(-2.f * u, 80.f)));
+// Both as g / (1 + exp(z)), z at most 80 (past it the result is 0 to float precision either way). GeLU's tanh
+// approximation: 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), as torch computes it, written as
+// g / (1 + exp(-2u)): the same function (1 + tanh(u) = 2 / (1 + exp(-2u))), through the same exp.
+static inline vw activation(vw g, int64_t act) {
+  vw z = -g;
+  if (act == GELU_TANH) z = -2.f * (0.7978845608028654f * (g + 0.044715f * g * g * g));
+  const vw cap = vw{} + 80.f;
+  return g / (1.f + expw(z < cap ? z : cap));
 }
 
 // o[i] = act(g[i]) * u[i] for n outputs.
 static inline void gate_times_up(const float* g, const float* u, int64_t n, float* o, int64_t act) {
-  if (act == GELU_TANH) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) o[i] = gelu_tanh(g[i]) * u[i];
-  } else {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) o[i] = silu(g[i]) * u[i];
-  }
+  int64_t i = 0;
+  for (; i + WIDE <= n; i += WIDE) storew(o + i, activation(loadw(g + i), act) * loadw(u + i));
+  if (i < n) storew_part(o + i, activation(loadw_part(g + i, n - i, 0.f), act) * loadw_part(u + i, n - i, 0.f), n - i);
 }
 
 // act(gate) * up for `rows` rows of a tile through a gate panel and its up panel: t holds each row's 16 gate
@@ -1884,11 +1965,10 @@ static void prefill_attention(const float* qp, int64_t q_stride, int64_t rows_in
           float m = *std::max_element(s + c0, s + c1);
           if (total[i] > 0.f) {
             if (mx[i] >= m) m = mx[i];
-            else rescale[i] = expf(mx[i] - m);  // a larger score: what was summed so far scales down
+            else rescale[i] = exp1(mx[i] - m);  // a larger score: what was summed so far scales down
           }
           mx[i] = m;
-#pragma omp simd
-          for (int64_t c = 0; c < span; ++c) s[c] = expf(s[c] - m);
+          for (int64_t c = 0; c < span; c += WIDE) storew(s + c, expw(loadw(s + c) - m));  // (span: a multiple of 16)
           std::fill(s, s + c0, 0.f);
           std::fill(s + c1, s + span, 0.f);
           float sum = 0.f;
@@ -2083,8 +2163,7 @@ torch::Tensor gated_act(torch::Tensor gu, int64_t act) {
   return out;
 }
 
-// torch.argmax of one row: the first index of the largest value, the first NaN if there is one (bits, not
-// isnan: the file is built with fast-math).
+// torch.argmax of one row: the first index of the largest value, the first NaN if there is one.
 static inline bool is_nan(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, 4);
@@ -2194,7 +2273,7 @@ static inline bool finite_bits(float x) {
 
 // fp32 logits of row x for features idx[0 .. count) (count <= 16) from the head's weights row by row (`rows`
 // [V, K], fp32, bf16 or fp16: T float, uint16_t or at::Half), into out: the same sums in the same order as
-// `panel_rows` over its panels (lane by lane, the inputs in order, `acc += x * w` as `panel_tile16` writes it,
+// `panel_rows` over its panels (lane by lane, the inputs in order, `madd(x, w, acc)` as `panel_tile16` computes it,
 // 16-bit weights widened exactly), each feature's row read once (its panel would be 16 rows' worth of lines).
 #ifdef __AVX512F__
 template <typename T>
@@ -2209,13 +2288,13 @@ static inline void head_logits(const float* x, int64_t k, const T* rows, const i
   for (int64_t c = 0; c < k; c += per) {
     const __m512i words = _mm512_i32gather_epi32(offsets, reinterpret_cast<const int32_t*>(rows) + c / per, 4);
     if constexpr (per == 1) {
-      acc += x[c] * (v16)_mm512_castsi512_ps(words);
+      acc = madd(x[c], (v16)_mm512_castsi512_ps(words), acc);
     } else if constexpr (std::is_same_v<T, at::Half>) {  // (two fp16 inputs a word, the first in its low half)
-      acc += x[c] * (v16)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
-      acc += x[c + 1] * (v16)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+      acc = madd(x[c], (v16)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)), acc);
+      acc = madd(x[c + 1], (v16)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))), acc);
     } else {  // (two bf16 inputs a word, the first in its low half)
-      acc += x[c] * (v16)_mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-      acc += x[c + 1] * (v16)_mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32((int32_t)0xffff0000u)));
+      acc = madd(x[c], (v16)_mm512_castsi512_ps(_mm512_slli_epi32(words, 16)), acc);
+      acc = madd(x[c + 1], (v16)_mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32((int32_t)0xffff0000u))), acc);
     }
   }
   for (int64_t i = 0; i < count; ++i) out[i] = acc[i];

@@ -11,6 +11,21 @@ back to torch: `available()` says which.
 - `FusedDecoder`: a decode step of a fused model (every decoder layer, final norm, LM head) in one call
   (`kernels/cpu_layers.py`).
 
+**Instruction-set levels.** By default the kernels are built for the CPU that runs them (`-march=native`).
+``$JITNEY_KERNEL_LEVEL`` builds them for another level this CPU can run (`LEVELS`: x86-64-v3, avx512,
+avx512-vnni-bf16), and ``$JITNEY_KERNEL_TUNE`` with another tuning (`-mtune=`, e.g. sapphirerapids, znver3):
+how the suite covers CPUs it does not run on (`python -m jitney.bench.levels`). A level whose instructions this
+CPU lacks is never built or run: `load()` refuses it (and callers use torch's kernels). Which level runs is
+logged once, when the kernels load.
+
+**Numerical contract.** The kernels are built without `-ffast-math` and with `-ffp-contract=off`: the compiler
+neither reorders a sum nor fuses a multiply and an add of its own accord; the source fuses them where it means to
+(`madd`, FMA where the CPU has it). So where two paths run the same source on the same values (a bf16 cache
+against an fp32 cache of the rounded values, a row alone against the row in a batch, a tile of 5 rows against one
+of 12) they give the same bits at every level and tuning; against torch's reference, and from one level to another
+(8- or 16-wide vectors sum in another order), they agree within the bounds the tests state. exp is the file's own
+polynomial (`vexp`), not libm's.
+
 Each build has its own folder, named by a hash of everything that changes the binary (`build_dir()`), so
 installs sharing the cache (other venvs, torch or Python versions) keep their own. A process that finds
 another one building in that folder waits for it at most ``$JITNEY_KERNEL_BUILD_WAIT_S`` seconds (default
@@ -43,10 +58,19 @@ BUILD_WAIT_S = 300.0
 """Seconds a process waits for another one's build of the kernels (about a minute) before it uses torch's."""
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-# fast-math lets the softmax's expf vectorise (glibc's vector math); only at compile time, so the library does
-# not change the process's floating-point mode when it loads
-_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
+# Neither flag changes a value: no errno to set lets sqrt inline, no traps lets loops with branches vectorise.
+_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 _LDFLAGS = ("-fopenmp",)
+
+_V3 = frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+LEVELS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "native": (("-march=native",), frozenset()),
+    "x86-64-v3": (("-march=x86-64-v3",), _V3),
+    "avx512": (("-march=x86-64-v4",), _V4),
+    "avx512-vnni-bf16": (("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"), _V4 | {"avx512_vnni", "avx512_bf16"}),
+}
+"""Each level: its compiler flags, and the CPU features (as /proc/cpuinfo names them) it needs to run."""
 
 _module = None
 _failure: Exception | None = None
@@ -59,7 +83,9 @@ def load():
         raise _failure
     if _module is None:
         try:
+            level, tune = target()
             _module = _build(build_dir())
+            log.info("jitney's C++ CPU kernels: level %s%s", level, f", tuned for {tune}" if tune else "")
         except Exception as exc:  # no compiler, no headers, a build elsewhere that does not end...: not retried
             _failure = exc
             log.warning("jitney's C++ CPU kernels could not be built (%s); using torch's", exc)
@@ -74,6 +100,33 @@ def available() -> bool:
         return True
     except Exception:
         return False
+
+
+def target() -> tuple[str, str]:
+    """The level and tuning to build for (``$JITNEY_KERNEL_LEVEL``, ``$JITNEY_KERNEL_TUNE``); raises where the level is
+    unknown or needs instructions this CPU lacks."""
+    level = os.environ.get("JITNEY_KERNEL_LEVEL") or "native"
+    tune = os.environ.get("JITNEY_KERNEL_TUNE") or ""
+    if level not in LEVELS:
+        raise ValueError(f"JITNEY_KERNEL_LEVEL={level!r}: not one of {', '.join(LEVELS)}")
+    missing = sorted(LEVELS[level][1] - cpu_flags())
+    if missing:
+        raise RuntimeError(f"this CPU cannot run kernels built for {level}: it lacks {' '.join(missing)}")
+    return level, tune
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's features as /proc/cpuinfo names them (empty where there is no such file)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return frozenset()
+
+
+def _flags() -> tuple[str, ...]:
+    level, tune = target()
+    return _CFLAGS + LEVELS[level][0] + ((f"-mtune={tune}",) if tune else ())
 
 
 def build_dir() -> Path:
@@ -91,7 +144,7 @@ def build_dir() -> Path:
         sys.version,
         str(sysconfig.get_config_var("SOABI")),
         _compiler_version(),
-        " ".join(_CFLAGS + _LDFLAGS),
+        " ".join(_flags() + _LDFLAGS),
         _cpu_tag(),  # -march=native
     ]
     key = hashlib.sha256("\n".join(what).encode()).hexdigest()
@@ -108,7 +161,7 @@ def _build(build: Path):
     with _build_lock(build, float(os.environ.get("JITNEY_KERNEL_BUILD_WAIT_S") or BUILD_WAIT_S)):
         # lists of their own: torch's loader appends its libraries to the flags it is given
         return load("jitney_cpu", sources=[str(_SOURCE)], build_directory=str(build),
-                    extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS))
+                    extra_cflags=list(_flags()), extra_ldflags=list(_LDFLAGS))
 
 
 @contextlib.contextmanager
