@@ -128,6 +128,9 @@ class Engine:
             sequences = selfcheck.probe_tokens(self.vocab_size)
             reference = self._forward.pool.submit(selfcheck.reference_logits, self.model, sequences,
                                                   self.config.weights, self.config.kv_cache_dtype).result()
+            # without the format's rounding too, so that a refusal can tell the format's effect from jitney's
+            own = (self._forward.pool.submit(selfcheck.reference_logits, self.model, sequences).result()
+                   if self.config.weights or self.config.kv_cache_dtype else None)
         self._saved_attn = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_NAME)
         self._attn_bound = True
@@ -141,7 +144,7 @@ class Engine:
         if self.speculate:  # the draft's weights packed now, on the forward thread, not in a request's first step
             self._forward.pool.submit(lambda: self.executor.decoder.draft).result()
         if check:  # the same rows through what will serve: refused here rather than wrong tokens later
-            self._forward.pool.submit(selfcheck.check, self, reference, sequences).result()
+            self._forward.pool.submit(selfcheck.check, self, reference, sequences, own).result()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._running = True

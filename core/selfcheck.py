@@ -97,8 +97,43 @@ def served_logits(engine: Engine, sequences: list[list[int]]) -> tuple[list[torc
             cache.release(seq.request_id)
 
 
-def check(engine: Engine, reference: list[torch.Tensor], sequences: list[list[int]]) -> None:
-    """Raise `UnfaithfulModel` unless the served logits match the model's own."""
+def tolerance(engine: Engine) -> float:
+    """How far, as a share of the logits' scale, the served rows may lie from the reference of the format they
+    compute in. fp32 throughout: 1e-3 (the same sums in another order). Elsewhere a rounding step (to int8 or bf16)
+    can send a value the other way than torch's reference does when the two computed it a last bit apart, and the
+    step grows through the layers: each bound is about twice the largest difference measured for SmolLM2 over the
+    kernels' instruction-set levels and tunings (docs/reliability.md, `python -m jitney.bench.levels`)."""
+    half = next(engine.model.parameters()).dtype != torch.float32
+    cache = engine.cache.keys[0].dtype
+    if engine.config.weights == "w8a8":  # int8 activations: 4.1-5.6% measured
+        return 1e-1 if cache == torch.float32 else 1.5e-1
+    if cache == torch.int8:  # int8 K/V: 1.1-2.0%
+        return 1e-1
+    if half:  # a bf16 or fp16 model: its own forward rounds every layer's output, jitney's does not
+        return 5e-2
+    if cache != torch.float32:  # a bf16 cache: a key computed by other kernels may round to the next value; 0.13-0.15%
+        return 1e-2
+    return 1e-3
+
+
+def logit_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b|'s largest element over b's scale (its largest magnitude, at least 1)."""
+    return (a.to(b.device) - b).abs().max().item() / max(1.0, b.abs().max().item())
+
+
+def _format(engine: Engine) -> str | None:
+    """The rounding the served path computes in beyond the model's own precision, in words (None: none)."""
+    parts = [f"{engine.config.weights} weights"] if engine.config.weights else []
+    if engine.config.kv_cache_dtype:
+        parts.append(f"a {engine.config.kv_cache_dtype} KV cache")
+    return " and ".join(parts) or None
+
+
+def check(engine: Engine, reference: list[torch.Tensor], sequences: list[list[int]],
+          own: list[torch.Tensor] | None = None) -> None:
+    """Raise `UnfaithfulModel` unless the served logits match the reference (the model's own logits, rounded as
+    the served format rounds: `reference_logits`). `own`: the model's logits without that rounding, where there
+    is a format; a refusal compares the two to name the likely cause."""
     name = type(engine.model).__name__
     try:
         served, calls = served_logits(engine, sequences)
@@ -117,27 +152,30 @@ def check(engine: Engine, reference: list[torch.Tensor], sequences: list[list[in
     if calls == 0 and not fused:
         raise UnfaithfulModel(f"jitney cannot run {name}: its attention never reaches jitney's attention function "
                               "(its modeling code does not use transformers' attention registry)")
-    # (int8 activations: the served path and torch's reference may round an input tied between two steps apart)
-    half = next(engine.model.parameters()).dtype != torch.float32
-    tol = 5e-2 if half or engine.config.weights == "w8a8" else 1e-3
-    if not half and engine.cache.keys[0].dtype != torch.float32:
-        # a bf16 cache under an fp32 model: the reference rounds its keys and values too, but a key computed by
-        # other kernels may round to the next bf16 value. SmolLM2, the largest of the probes' differences over
-        # the logits' scale: 1.5e-3 (int8 weights: 3.1e-3); with w8a8, 5.8e-2 (4.2e-2 over an fp32 cache)
-        tol = 1e-1 if engine.config.weights == "w8a8" else max(tol, 1e-2)
-    if engine.cache.keys[0].dtype == torch.int8:
-        # int8 K/V: a code rounds the other way for an input moved by its last bit, and where a row's largest element
-        # is an outlier one code is a large step. SmolLM2: served and reference differ by up to 2.0% of the scale,
-        # about as much as the reference itself moves when its weights move by 1e-7 (1.3-1.6%); fp32 is 1.5-3.2% away
-        tol = 1e-1
+    tol = tolerance(engine)
     for i, (mine, ref) in enumerate(zip(served, reference)):
         if mine is None:
             continue
-        err = (mine.to(ref.device) - ref).abs().max().item()
-        scale = max(1.0, ref.abs().max().item())
-        if not err <= tol * scale:  # (NaN fails too)
+        err = logit_error(mine, ref)
+        if not err <= tol:  # (NaN fails too)
             where = "prefill" if i % 2 == 0 else "decode"
-            raise UnfaithfulModel(
-                f"jitney cannot run {name} faithfully: its logits through jitney ({where} of a "
-                f"{PROMPT_LENGTHS[i // 2]}-token prompt) differ from the model's own by {err:.3g} (scale {scale:.3g}); "
-                "an attention feature it uses is probably not implemented")
+            measured = (f"its logits through jitney ({where} of a {PROMPT_LENGTHS[i // 2]}-token prompt) differ from "
+                        f"the model's own by {err:.3g} of their scale (bound {tol:.3g})")
+            raise UnfaithfulModel(f"jitney cannot run {name} faithfully: {measured}; {_cause(engine, err, i, own, reference)}")
+
+
+def _cause(engine: Engine, err: float, row: int, own: list[torch.Tensor] | None, reference: list[torch.Tensor]) -> str:
+    """The likely cause of a refusal, in words: the served format's rounding where the model's logits move about as
+    much under it alone, else what jitney computes differently."""
+    fmt = _format(engine)
+    dtype = next(engine.model.parameters()).dtype
+    if fmt and own is not None:
+        effect = logit_error(reference[row], own[row])  # what the format's rounding alone does to this row
+        compared = f"{fmt} alone move them by {effect:.3g} (torch's reference of the format against the model's own)"
+        if err <= 3 * effect:
+            return f"likely cause: quantization, this model's logits are that sensitive to it: {compared}; serve it without {fmt}"
+        return f"not the quantization alone ({compared}): an attention feature it uses is probably not implemented"
+    if dtype != torch.float32:
+        return (f"likely cause: its {str(dtype).removeprefix('torch.')} weights (jitney computes in fp32 over them, the "
+                "model's own forward rounds each layer), or an attention feature it uses is not implemented")
+    return "an attention feature it uses is probably not implemented"

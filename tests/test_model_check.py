@@ -9,7 +9,9 @@ from support import reference, scaled_tiny
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
 from jitney.core.hooks import hookimpl
+from jitney.core import selfcheck
 from jitney.core.selfcheck import UnfaithfulModel
+from jitney.kernels import native
 from jitney.kernels.torch_paged import TorchPagedAttention
 
 
@@ -90,3 +92,40 @@ async def test_a_backend_without_a_feature_the_model_uses_refuses_it(name, featu
         async with engine:
             pass
     assert not engine.healthy
+
+
+class ScaledBackend:
+    """A faulty third-party backend: every output three times what attention gives."""
+
+    @hookimpl
+    def jitney_register_attention_backends(self, register):
+        register("scaled", lambda device: self)
+
+    def prepare(self, step):
+        attend = TorchPagedAttention().prepare(step)
+
+        def scaled(*args, **features):
+            return 3 * attend(*args, **features)
+
+        scaled.supports = getattr(attend, "supports", frozenset())
+        return scaled
+
+
+@pytest.mark.skipif(not native.available(), reason="int8 weights need jitney's C++ kernels")
+async def test_a_refusal_under_quantized_weights_names_the_likely_cause(monkeypatch):
+    """Measured against the format's own reference; where the served rows lie about as far from it as the format
+    moves the model's logits, quantization is named, and an error well past that is put on attention."""
+    model = tiny(T.LlamaConfig, T.LlamaForCausalLM, num_key_value_heads=2)
+    faulty = Engine(model, config=EngineConfig(num_blocks=32, weights="w8a8", attention_backend="scaled"),
+                    plugins=[ScaledBackend()])
+    with pytest.raises(UnfaithfulModel, match="not the quantization alone .*w8a8 weights alone move them by") as refusal:
+        async with faulty:
+            pass
+    assert "attention feature" in str(refusal.value)
+    monkeypatch.setattr(selfcheck, "tolerance", lambda engine: -1.0)  # a bound no path meets
+    with pytest.raises(UnfaithfulModel, match="likely cause: quantization.*serve it without int8 weights"):
+        async with Engine(model, config=EngineConfig(num_blocks=32, weights="int8")):
+            pass
+    monkeypatch.undo()
+    async with Engine(model, config=EngineConfig(num_blocks=32, weights="w8a8")) as engine:  # the real bound
+        assert engine.healthy
