@@ -336,6 +336,7 @@ class Engine:
                 hit += seq.num_computed
                 self.events.append(ev.PrefillStarted(t=t0, step=self.step_count + 1, request_id=seq.request_id,
                                                      cached_tokens=seq.num_computed))
+        prefill = prompt_tokens(entries)  # (counted now: once applied, a prompt's last chunk looks like a decode)
         forward = self._forward
         try:
             drafts = self._speculation(entries) if self.speculate else 0
@@ -375,10 +376,11 @@ class Engine:
             self._apply_runs(entries, tokens) if speculative else self._apply(entries, tokens)
             accepted = sum(len(run) - 1 for run in tokens) if speculative else 0
             proposed = sum(map(len, guesses)) if guesses else drafts * len(entries)
-            self._step_completed(entries, t0, marks, queried, hit, ran_ahead, forward_s, proposed, accepted)
+            self._step_completed(entries, t0, marks, queried, hit, prefill, ran_ahead, forward_s, proposed, accepted)
             if ahead is None:
                 return
-            entries, t0, queried, hit, ran_ahead = next_entries, self.clock(), 0, 0, True
+            # (a step prepared ahead only decodes: `_prepare_ahead`)
+            entries, t0, queried, hit, prefill, ran_ahead = next_entries, self.clock(), 0, 0, 0, True
             marks = (self.cache.blocks_demoted, self.preempter.total)
 
     @property
@@ -442,9 +444,10 @@ class Engine:
                 self._finish(seq, "error", error)
 
     def _step_completed(self, entries: list[tuple[Sequence, int]], t0: float, marks: tuple[int, int], queried: int,
-                        hit: int, ahead: bool, forward_s: float, drafted: int, accepted: int) -> None:
+                        hit: int, prefill: int, ahead: bool, forward_s: float, drafted: int, accepted: int) -> None:
+        """Publish the step's events, ending with its `StepCompleted`; `prefill`: its prompt tokens
+        (`prompt_tokens`, counted before the step was applied)."""
         self.step_count += 1
-        prefill = sum(n for _, n in entries if n > 1)
         self.events.append(ev.StepCompleted(
             t=self.clock(), step=self.step_count, requests=len(entries), prefill_tokens=prefill,
             decode_tokens=sum(n for _, n in entries) - prefill, forward_s=forward_s,
@@ -644,3 +647,11 @@ class Engine:
 
 
 _NO_STOPS: frozenset[int] = frozenset()
+
+
+def prompt_tokens(entries: list[tuple[Sequence, int]]) -> int:
+    """The tokens of a step's entries that are prompt chunks: every entry of a request still in its prompt,
+    a chunk of one token included (its `PrefillChunk` says so too); the rest are decodes, one token a request
+    (a speculative step's proposals are rows of that one entry, not prompt)."""
+    decoding = RequestStatus.DECODING
+    return sum(n for seq, n in entries if seq.status is not decoding)

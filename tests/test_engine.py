@@ -81,6 +81,25 @@ async def test_chunks_sized_by_their_attention_keep_tokens(llama):
     assert max(n for c, n in chunks if c == 0) == 25 and max(n for c, n in chunks if c >= 40) < 20
 
 
+async def test_a_prompt_chunk_of_one_token_counts_as_prompt_tokens(llama):
+    seen: list[ev.Event] = []
+
+    class Observer:
+        @hookimpl
+        def jitney_on_events(self, events, engine):
+            seen.extend(events)
+
+    lengths = (70, 45, 12, 30)  # with 24 tokens a step, some steps have one token left for a prompt
+    prompts = [[3 + (7 * i + j) % 250 for j in range(n)] for i, n in enumerate(lengths)]
+    config = EngineConfig(max_batch_tokens=24, block_size=4, num_blocks=200)
+    async with Engine(llama, config=config, plugins=[Observer()]) as engine:
+        await run_all(engine, [greedy(p, 8) for p in prompts])
+    chunks = [e for e in seen if isinstance(e, ev.PrefillChunk)]
+    steps = [e for e in seen if isinstance(e, ev.StepCompleted)]
+    assert any(c.tokens == 1 for c in chunks)
+    assert sum(s.prefill_tokens for s in steps) == sum(c.tokens for c in chunks) == sum(lengths)
+
+
 async def test_sliding_window_model_matches_generate():
     model = tiny_mistral(window=8)
     work = random_requests(6, model.config.vocab_size, max_prompt=30, max_new=20, seed=3)
