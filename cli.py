@@ -113,7 +113,8 @@ _TOOLS = {
     "soak": ("jitney.bench.soak", "many streaming clients against a server, some leaving mid-stream; then whether it "
                                   "came back to its baseline"),
     "simulate": ("jitney.bench.simulate", "run the real scheduler, cache and eviction plugins on a cost model of the "
-                                          "forward (no weights): hit rate, throughput, TTFT, ITL"),
+                                          "forward (no weights): hit rate, throughput, TTFT, ITL (the first run "
+                                          "calibrates the cost model)"),
     "calibrate": ("jitney.bench.profile", "time real steps on this machine and fit the step-time profile that "
                                           "`jitney simulate` uses (or --analytic, from hardware figures)"),
     "trace": ("jitney.bench.traces", "generate a request trace (JSONL) of a realistic shape"),

@@ -4,7 +4,7 @@ A step's time is modelled as a non-negative sum over its shape: a fixed cost, th
 layers), the sampled rows (the LM head), the KV tokens decode rows read, the prefill chunks' attention work
 (query tokens x context), and for a speculative step its draft's passes. `jitney calibrate` times real steps
 of a grid of workloads through the engine itself, fits the coefficients, and measures how often the draft's
-proposals are accepted."""
+proposals are accepted. `jitney simulate` calibrates on first use where this machine has no profile yet."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -139,6 +140,10 @@ def profile_path(model: str) -> Path:
     return cache_dir() / "profiles" / f"{Path(model).name or 'model'}-{key}.json"
 
 
+CALIBRATION_S = 45
+"""About how long `calibrate` takes for SmolLM2-135M on a 2-core CPU (said before a first-use calibration)."""
+
+
 def load_profile(path: str | None, model: str) -> StepProfile:
     """The profile at `path`, else the one `jitney calibrate --model <model>` saved for this machine."""
     where = Path(path) if path else profile_path(model)
@@ -149,6 +154,42 @@ def load_profile(path: str | None, model: str) -> StepProfile:
         return msgspec.json.decode(where.read_bytes(), type=StepProfile)
     except msgspec.DecodeError as exc:
         raise ValueError(f"{where} is not a step-time profile: {exc}") from None
+
+
+def profile_for(path: str | None, model: str, calibrate_missing: bool = True) -> StepProfile:
+    """`load_profile`, except that where this machine has no profile for `model` (and no `path` is given) one is
+    calibrated now (`calibrate_model`, with a progress bar) and saved where `jitney calibrate` saves it: only the
+    first simulation of a model on a machine waits for it. `calibrate_missing=False`: raise `FileNotFoundError`
+    instead, as `load_profile` does."""
+    where = profile_path(model)
+    if path or where.exists() or not calibrate_missing:
+        return load_profile(path, model)
+    if Path(model).is_file():
+        raise FileNotFoundError(f"no step-time profile for {model!r} on this machine, and a config.json has no weights "
+                                f"to calibrate one: give the checkpoint folder, or --profile FILE (`jitney calibrate "
+                                f"--analytic` writes one from hardware figures)")
+    print(f"no step-time profile for {model!r} on this machine: calibrating it now (once; ~{CALIBRATION_S} s for "
+          f"SmolLM2-135M on 2 CPU cores)", file=sys.stderr)
+    profile = calibrate_model(model)
+    save_profile(profile, where)
+    print(f"{profile.describe()}; saved to {where}", file=sys.stderr)
+    return profile
+
+
+def calibrate_model(model: str, progress: bool = True) -> StepProfile:
+    """`calibrate` "smollm2" or the checkpoint folder `model`, loaded here (its weights are run)."""
+    from jitney.core.models import load_model
+
+    loaded, tokenizer = load_model(model)
+    return calibrate(loaded, tokenizer, model, progress=progress)
+
+
+def save_profile(profile: StepProfile, out: Path) -> None:
+    """Write `profile` to `out`, whole or not at all: another simulation may be reading it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.{os.getpid()}")
+    partial.write_bytes(msgspec.json.encode(profile))
+    partial.replace(out)
 
 
 class StepRecorder:
@@ -191,9 +232,12 @@ def calibration_workloads(vocab: int) -> list[list[tuple[list[int], int]]]:
             requests(64, (16, 256), 24), requests(64, (300, 600), 12), requests(4, (900, 1500), 8), sharing]
 
 
-def calibrate(model, tokenizer, model_name: str, **config_fields) -> StepProfile:
+def calibrate(model, tokenizer, model_name: str, progress: bool = False, **config_fields) -> StepProfile:
     """Time real steps of `calibration_workloads` through the engine (no speculation), and of chat requests
-    with the engine's own speculation where it speculates, and fit a profile."""
+    with the engine's own speculation where it speculates, and fit a profile. `progress`: a bar of the
+    requests' tokens (prompt and output) served."""
+    from tqdm import tqdm
+
     from jitney import Engine, EngineConfig, Request, SamplingParams
     from jitney.bench.workloads import chat
 
@@ -203,6 +247,8 @@ def calibrate(model, tokenizer, model_name: str, **config_fields) -> StepProfile
     plan = [(work, 0) for work in calibration_workloads(vocab)]
     if tokenizer is not None:  # (speculative_tokens None: the engine's default, where it speculates)
         plan += [(chat(tokenizer, 1), None), (chat(tokenizer, 4), None)]
+    bar = tqdm(total=sum(len(p) + n for work, _ in plan for p, n in work), desc="calibrating", unit="tok",
+               disable=not progress, leave=False)
     for work, speculate in plan:
         blocks = sum(-(-(len(p) + n) // 16) for p, n in work) + 8
         config = EngineConfig(**{"num_blocks": blocks, "speculative_tokens": speculate,
@@ -210,15 +256,20 @@ def calibrate(model, tokenizer, model_name: str, **config_fields) -> StepProfile
         engine = Engine(model, tokenizer, config)
         recorder = StepRecorder(engine.executor)
 
+        async def one(engine, prompt: list[int], n: int) -> None:
+            await engine.generate(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)))
+            bar.update(len(prompt) + n)
+
         async def main(engine=engine, work=work) -> None:
             async with engine, anyio.create_task_group() as tg:
                 for prompt, n in work:
-                    tg.start_soon(engine.generate, Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)))
+                    tg.start_soon(one, engine, prompt, n)
 
         anyio.run(main)
         shapes += recorder.shapes[1:]  # (the first step of each engine pays for warming up)
         seconds += recorder.seconds[1:]
         accepted, rejected = accepted + recorder.accepted, rejected + recorder.rejected
+    bar.close()
     coefficients = fit_in_two(shapes, seconds)
     # Each proposal accepted with one chance p, independently: p's maximum-likelihood estimate over the rows
     # seen is accepted / (accepted + rejections), a row's run ending at its first rejection or at k.
@@ -282,8 +333,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from jitney.core.models import load_model
-
     if args.analytic:
         from jitney.bench.simulate import meta_model
 
@@ -302,12 +351,10 @@ def main(args: argparse.Namespace) -> int:
         Path(args.out).write_bytes(msgspec.json.encode(profile))
         print(f"{profile.describe()}; written to {args.out}")
         return 0
-    model, tokenizer = load_model(args.model)
     t = time.perf_counter()
-    profile = calibrate(model, tokenizer, args.model)
+    profile = calibrate_model(args.model)
     out = Path(args.out) if args.out else profile_path(args.model)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(msgspec.json.encode(profile))
+    save_profile(profile, out)
     print(f"{profile.describe()} ({time.perf_counter() - t:.0f} s)")
     print("seconds per unit: " + ", ".join(f"{n} {c:.3g}" for n, c in zip(FEATURES, profile.coefficients)))
     print(f"written to {out}")

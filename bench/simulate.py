@@ -1,8 +1,9 @@
 """`jitney simulate`: the engine's own scheduler, cache manager, prefix cache, eviction, preemption and event bus
 — the very plugin code that serves — driven by a cost model instead of the model: each step's time is
-predicted from its shape by a profile (`jitney calibrate`) and added to a virtual clock; tokens are produced
-without a forward. Only the model's config is needed, never its weights (the model is built on torch's meta
-device, and so is the KV cache)."""
+predicted from its shape by a profile (`jitney calibrate`, which the first simulation of a model on a machine
+runs) and added to a virtual clock; tokens are produced without a forward. A simulation needs only the model's
+config, never its weights (the model is built on torch's meta device, and so is the KV cache); a calibration
+runs the real model."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import anyio.lowlevel
 import msgspec
 import torch
 
-from jitney.bench.profile import SPECULATIVE, StepProfile, features, load_profile
+from jitney.bench.profile import SPECULATIVE, StepProfile, features, profile_for
 from jitney.bench.stats import StepStats, percentile_ms
 from jitney.bench.workloads import WORKLOADS
 from jitney.core import events as ev
@@ -48,7 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "profile was calibrated with speculation)")
     parser.add_argument("--acceptance", type=float, default=None,
                         help="chance that a draft proposal is accepted (default: the profile's, measured on chat text)")
-    parser.add_argument("--profile", default=None, help="a profile file (default: this machine's, from `jitney calibrate`)")
+    parser.add_argument("--profile", default=None,
+                        help="a profile file (default: this machine's, from `jitney calibrate`, which the first "
+                             "simulation of a model runs)")
+    parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                        help="where this machine has no profile for the model, stop with an error instead of "
+                             "calibrating one")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the rows to this file")
     parser.add_argument("--replicas", type=int, default=1, help="a fleet of engines, as `jitney serve --replicas`")
     parser.add_argument("--router", default="prefix_affinity",
@@ -328,7 +334,7 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timel
 
 def main(args: argparse.Namespace) -> int:
     model = meta_model(args.model)
-    profile = load_profile(args.profile, args.model)
+    profile = profile_for(args.profile, args.model, calibrate_missing=args.calibrate)
     if args.acceptance is not None:
         if not (0 <= args.acceptance <= 1 and len(profile.coefficients) > SPECULATIVE):
             raise ValueError("--acceptance must be within [0, 1], with a profile calibrated with speculation")

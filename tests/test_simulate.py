@@ -128,6 +128,30 @@ def test_missing_profiles_and_configs_are_clear_errors(tmp_path):
         meta_model(str(tmp_path / "missing"))
 
 
+def test_the_first_simulation_on_a_machine_calibrates_its_profile_once(tiny_config, tmp_path, monkeypatch, capsys):
+    from jitney.bench import profile
+    from jitney.cli import main
+
+    monkeypatch.setenv("JITNEY_HOME", str(tmp_path))  # a machine with no profile yet
+    calibrated = []
+    # (a real calibration runs the model for a minute: its result stands in here)
+    monkeypatch.setattr(profile, "calibrate_model", lambda model: calibrated.append(model) or SHAPED)
+    checkpoint = str(tiny_config.parent)
+    simulate_cli = ["simulate", "--model", checkpoint, "--workload", "mixed-16"]
+    assert main([*simulate_cli, "--no-calibrate"]) == 2
+    assert "no step-time profile" in capsys.readouterr().err and not calibrated
+    assert main(simulate_cli) == 0
+    said = capsys.readouterr()
+    assert calibrated == [checkpoint]
+    assert "calibrating it now" in said.err and "sim[fifo/mru]" in said.out
+    assert load_profile(None, checkpoint) == SHAPED  # kept where `jitney calibrate` keeps it
+    assert main(simulate_cli) == 0
+    assert calibrated == [checkpoint] and "calibrating" not in capsys.readouterr().err
+    # a config.json alone has no weights to calibrate with
+    assert main(["simulate", "--model", str(tiny_config)]) == 2
+    assert "no weights to calibrate" in capsys.readouterr().err and calibrated == [checkpoint]
+
+
 # -- traces ---------------------------------------------------------------------------------------------------
 
 
