@@ -1,11 +1,16 @@
 """llama.cpp as a peer in `jitney bench` (`--modes jitney,llama-cpp,llama-cpp-q4`), through llama-cpp-python
 (`make bench-peers` installs it; it compiles llama.cpp from source, minutes).
 
-The same requests, greedy, in the same process run as jitney's: every running sequence's next token and the
-prompts' chunks go into one `llama_decode` call a step, as llama.cpp's own batched decoding does (its
-`batched-bench` and its server's parallel slots), on the machine's cores. Two GGUFs of the embedded SmolLM2's
-weights: the Q4_1 file jitney's own checkpoint is converted from (`llama-cpp-q4`), and an F32 one written from
-it once, every tensor dequantized (`llama-cpp`: the very weights jitney runs, at equal precision)."""
+The same requests, greedy, each mode in a child process of its own (`jitney.bench.isolation`: a crash in
+llama.cpp fails its row only): every running sequence's next token and the prompts' chunks go into one
+`llama_decode` call a step, as llama.cpp's own batched decoding does (its `batched-bench` and its server's
+parallel slots), on the machine's cores. Two GGUFs of the embedded SmolLM2's weights: the Q4_1 file jitney's own
+checkpoint is converted from (`llama-cpp-q4`), and an F32 one written from it once, every tensor dequantized
+(`llama-cpp`: the very weights jitney runs, at equal precision).
+
+`llama-cpp-q4` runs with llama.cpp's weight repacking first (its CPU-specific layouts: AMX tiles on Xeons that
+have them), and when that child crashes (repacked Q4_1 on AMX has been seen to die on the first decode), again
+without; the row's note says which ran."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jitney.bench.isolation import Peer
 from jitney.bench.workloads import Workload
 
 
@@ -71,14 +77,21 @@ def f32_gguf() -> Path:
     return target
 
 
-def run_llama_cpp(gguf: Path, work: Workload, threads: int | None = None, chunk: int = 256):
+def run_llama_cpp(gguf: Path, work: Workload, threads: int | None = None, chunk: int = 256, repack: bool = True):
     """Greedy `work` through llama.cpp, batched; (tokens per request, None, seconds from the first request to
-    the last token)."""
+    the last token). `repack=False`: no extra buffer types (`use_extra_bufts`), so quantized weights stay in the
+    file's layout instead of being repacked for this CPU."""
     import llama_cpp
 
     threads = threads or os.cpu_count() or 1
     llama_cpp.llama_backend_init()
-    model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), llama_cpp.llama_model_default_params())
+    model_params = llama_cpp.llama_model_default_params()
+    if not repack:
+        # (a ctypes structure takes any attribute: an older binding without the field would ignore it silently)
+        if not hasattr(type(model_params), "use_extra_bufts"):
+            raise RuntimeError("this llama-cpp-python cannot turn weight repacking off (no use_extra_bufts)")
+        model_params.use_extra_bufts = False
+    model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), model_params)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {gguf}")
     params = llama_cpp.llama_context_default_params()
@@ -125,6 +138,23 @@ def run_llama_cpp(gguf: Path, work: Workload, threads: int | None = None, chunk:
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
+
+
+def _f32(work: Workload, threads: int) -> tuple[list[list[int]], float]:
+    out, _, seconds = run_llama_cpp(f32_gguf(), work, threads)
+    return out, seconds
+
+
+def _q4(work: Workload, threads: int, repack: bool = True) -> tuple[list[list[int]], float]:
+    out, _, seconds = run_llama_cpp(embedded_gguf(), work, threads, repack=repack)
+    return out, seconds
+
+
+PEERS = {
+    "llama-cpp": Peer(_f32),  # (the repacking seen to crash is of quantized weights)
+    "llama-cpp-q4": Peer(_q4, (("repacked", {"repack": True}), ("no repack", {"repack": False}))),
+}
+"""The peer modes of `jitney bench`, by name."""
 
 
 def _add(batch, i: int, token: int, pos: int, seq: int, logits: bool) -> None:

@@ -1,4 +1,8 @@
-"""`jitney bench`: jitney and transformers on the same model, requests and output lengths, in one run."""
+"""`jitney bench`: jitney, transformers and llama.cpp on the same model, requests and output lengths, in one run.
+
+jitney's and transformers' modes run in this process, on the model loaded once; peers (llama.cpp,
+`jitney.bench.peers`) each in a child process, so that one crashing gives a failed row and the others still
+make the table."""
 
 from __future__ import annotations
 
@@ -7,12 +11,14 @@ import json
 import resource
 import time
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import anyio
 import torch
 
+from jitney.bench.isolation import Peer, PeerFailed, PeerStats, run_peer
+from jitney.bench.peers import PEERS
 from jitney.bench.profile import StepRecorder
 from jitney.bench.stats import StepStats, percentile_ms
 from jitney.bench.workloads import ARRIVING, MODEL_SHAPES, WORKLOADS, Workload, long_prompt, shaped_model
@@ -36,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "jitney-kvbf16 / jitney-kvint8 (a bf16 / int8 KV cache), "
                              "jitney-noscreen (every logit of greedy rows computed), "
                              "hf-cb (transformers continuous batching), hf-static (transformers generate), llama-cpp / llama-cpp-q4 (llama.cpp on the same weights in F32 "
-                             "/ the embedded Q4_1; `make bench-peers`)")
+                             "/ the embedded Q4_1; `make bench-peers`; each in a child process: a crash fails its row only)")
     parser.add_argument("--eviction", default="mru", help="comma-separated eviction policies: one jitney run each")
     parser.add_argument("--scheduler", default="fifo", help="jitney's scheduler (a registered name)")
     parser.add_argument("--num-blocks", type=int, default=None, help="jitney's cache size (default: the whole workload fits)")
@@ -285,7 +291,7 @@ def run_hf_static(model, tokenizer, work: Workload, args):
     return out, None, time.perf_counter() - t0
 
 
-def _run_llama_cpp(args, work: Workload, q4: bool):
+def _check_llama_cpp(args) -> None:
     from jitney.bench import peers
 
     why = peers.available()
@@ -293,11 +299,11 @@ def _run_llama_cpp(args, work: Workload, q4: bool):
         raise ValueError(f"the llama-cpp modes need llama.cpp: {why}")
     if args.model != "smollm2":
         raise ValueError("the llama-cpp modes run the embedded SmolLM2's GGUF: use them with --model smollm2")
-    return peers.run_llama_cpp(peers.embedded_gguf() if q4 else peers.f32_gguf(), work, torch.get_num_threads())
 
 
-def runs(args) -> list[tuple[str, Callable]]:
-    """(label, runner) for each requested mode; jitney runs once per eviction policy."""
+def runs(args, peers: Mapping[str, Peer] = PEERS) -> list[tuple[str, Callable]]:
+    """(label, runner) for each requested mode; jitney runs once per eviction policy; `peers` by name, each run
+    in a child process (its runner raises `PeerFailed` when that child crashes)."""
     out = []
     for mode in args.modes.split(","):
         if mode == "jitney":
@@ -320,8 +326,10 @@ def runs(args) -> list[tuple[str, Callable]]:
             out.append((mode, lambda m, t, w, a, kv=mode[9:]: run_jitney(m, t, w, a, kv_cache_dtype=kv)))
         elif mode in ("hf-cb", "hf-static"):
             out.append((mode, run_hf_cb if mode == "hf-cb" else run_hf_static))
-        elif mode in ("llama-cpp", "llama-cpp-q4"):
-            out.append((mode, lambda m, t, w, a, q4=mode.endswith("q4"): _run_llama_cpp(a, w, q4)))
+        elif mode in peers:
+            if mode.startswith("llama-cpp"):
+                _check_llama_cpp(args)  # (before any mode runs, not after the others' minutes)
+            out.append((mode, lambda m, t, w, a, p=peers[mode]: run_peer(p, w, torch.get_num_threads())))
         else:
             raise ValueError(f"unknown mode {mode!r}")
     return out
@@ -350,7 +358,10 @@ def print_report(report: dict, json_path: str | None) -> int:
     return 0
 
 
-def main(args) -> int:
+def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
+    """Run each mode of `args.modes` on the workload, print the table and write the report; `peers`: the peer
+    modes by name (`jitney.bench.peers.PEERS`). A peer whose child process fails gives a row of "mode", "failed"
+    (the signal's name, or "error") and "reason", and no figures."""
     from jitney.core.models import load_model
 
     torch.manual_seed(0)
@@ -398,17 +409,26 @@ def main(args) -> int:
     print(f"memory read {first_read:.1f} GB/s; weights {weights / 1e6:.0f} MB -> one pass a token allows "
           f"{first_read * 1e9 / weights:.1f} tok/s on one stream")
     rows, outputs = [], {}
-    args.single_jitney_run = sum(label.startswith("jitney") for label, _ in runs(args)) <= 1  # (timeline names)
-    for label, runner in runs(args):
+    args.single_jitney_run = sum(label.startswith("jitney") for label, _ in runs(args, peers)) <= 1  # (timeline names)
+    for label, runner in runs(args, peers):
         t = time.perf_counter()
-        outputs[label], stats, wall = runner(model, tokenizer, work, args)  # wall: first request to last token
+        try:
+            outputs[label], stats, wall = runner(model, tokenizer, work, args)  # wall: first request to last token
+        except PeerFailed as failed:
+            rows.append({"mode": label, "failed": failed.signal or "error", "reason": failed.reason})
+            print(f"  {label}: failed, {failed.reason}", flush=True)
+            continue
         startup = time.perf_counter() - t - wall
         row = {
             "mode": label, "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
             "startup_s": round(startup, 2),
         }
-        if stats is not None:
+        if isinstance(stats, PeerStats):
+            row["peak_rss_mib"] = stats.peak_rss_mib
+            if stats.note:
+                row["note"] = stats.note
+        elif stats is not None:
             gaps = sorted(stats.gaps) or [0.0]
             row |= {"prefix_hit_rate": round(stats.hit / max(1, stats.query), 3), "prompt_tokens_computed": stats.prefill,
                     "steps": stats.steps, "forward_share": round(stats.forward_s / wall, 3),
@@ -430,8 +450,10 @@ def main(args) -> int:
     read = max(first_read, read_rate_gbps())
     weight_limit = read * 1e9 / weights  # tok/s of one stream if every step only read its weights
     print(f"memory read probed again: {read:.1f} GB/s taken (first {first_read:.1f}) -> {weight_limit:.1f} tok/s on one stream")
-    base = outputs[rows[0]["mode"]]
-    for row in rows:
+    measured = [row for row in rows if "failed" not in row]  # (a failed peer's row has no figures)
+    first = measured[0]["mode"] if measured else None
+    base = outputs.get(first)
+    for row in measured:
         row["roofline_share"] = round(gflop / peak / row["wall_s"], 3)
         if row.get("step_shapes"):
             bound = attainable_seconds(model, row.pop("step_shapes"), peak, read, row.pop("weights"), row.pop("kv_itemsize"))
@@ -441,12 +463,15 @@ def main(args) -> int:
         row["same_tokens_as_first"] = agreement(outputs[row["mode"]], base)
         row["same_prefix_as_first"] = round(prefix_agreement(outputs[row["mode"]], base), 4)
         for hf in ("hf-cb", "hf-static"):
-            other = next((r for r in rows if r["mode"] == hf), None)
+            other = next((r for r in measured if r["mode"] == hf), None)
             if other is not None and row is not other:
                 row[f"vs_{hf}"] = round(row["output_tok_s"] / other["output_tok_s"], 2)
     print(f"\n{'mode':<14} {'wall s':>7} {'out tok/s':>9} {'vs hf-cb':>8} {'vs static':>9} {'roofline':>8} {'hit rate':>8} "
           f"{'prompt computed':>15} {'ITL p99 ms':>10} {'preempted':>9} {'same tokens':>11} {'peak RSS MiB':>12}")
     for row in rows:
+        if "failed" in row:
+            print(f"{row['mode']:<14} failed ({row['failed']}): {row['reason']}")
+            continue
         hit = f"{row['prefix_hit_rate']:.0%}" if "prefix_hit_rate" in row else "-"
         computed = str(row.get("prompt_tokens_computed", "-"))
         itl, preempted = str(row.get("itl_p99_ms", "-")), str(row.get("preemptions", "-"))
@@ -454,19 +479,22 @@ def main(args) -> int:
         print(f"{row['mode']:<14} {row['wall_s']:>7.1f} {row['output_tok_s']:>9.1f} {cb:>8} {static:>9} "
               f"{row['roofline_share']:>8.0%} {hit:>8} {computed:>15} {itl:>10} {preempted:>9} "
               f"{row['same_tokens_as_first']:>11.0%} {row['peak_rss_mib']:>12}")
-    if any("attainable_share" in row for row in rows):
+    for row in measured:
+        if row.get("note"):
+            print(f"{row['mode']}: {row['note']}")
+    if any("attainable_share" in row for row in measured):
         print("share of the attainable (each step: its multiply-adds at the matmul peak or its weight and KV reads at "
-              "the read rate, the longer): " + ", ".join(f"{row['mode']} {row['attainable_share']:.0%}" for row in rows
+              "the read rate, the longer): " + ", ".join(f"{row['mode']} {row['attainable_share']:.0%}" for row in measured
                                                           if "attainable_share" in row))
-    if any("attention_share" in row for row in rows):
+    if any("attention_share" in row for row in measured):
         print("share of the wall time in attention (jitney's one-call decoder): "
-              + ", ".join(f"{row['mode']} {row['attention_share']:.0%}" for row in rows if "attention_share" in row))
-    for row in rows:
+              + ", ".join(f"{row['mode']} {row['attention_share']:.0%}" for row in measured if "attention_share" in row))
+    for row in measured:
         if row["same_tokens_as_first"] < 1:
             print(f"{row['mode']}: {row['same_tokens_as_first']:.1%} of the requests' tokens identical to "
-                  f"{rows[0]['mode']}'s, {row['same_prefix_as_first']:.1%} of the tokens before each one's first difference")
-    if len(work) == 1:
-        shares = ", ".join(f"{row['mode']} {row['weight_read_share']:.0%}" for row in rows)
+                  f"{first}'s, {row['same_prefix_as_first']:.1%} of the tokens before each one's first difference")
+    if len(work) == 1 and measured:
+        shares = ", ".join(f"{row['mode']} {row['weight_read_share']:.0%}" for row in measured)
         print("one stream, share of the fp32 weight-read limit (one token a pass over the fp32 weights; speculative "
               f"steps take several, int8 and 4-bit weights read less): {shares}")
     for row in rows:
@@ -483,9 +511,9 @@ def main(args) -> int:
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)
-    if args.plot_path:
+    if args.plot_path and measured:
         from jitney.bench.plot import plot
 
-        plot(report, args.plot_path)
+        plot(report | {"rows": measured}, args.plot_path)  # (bars of the rows with figures)
         print(f"plot written to {args.plot_path}")
     return 0

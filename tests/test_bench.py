@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
+import fake_peers
 import pytest
 from support import tiny_llama
 
+from jitney.bench.isolation import Peer
+from jitney.bench.peers import PEERS
+from jitney.bench.run import add_arguments
+from jitney.bench.run import main as bench
 from jitney.bench.workloads import CHAT_QUESTION, CHAT_QUESTIONS, chat_4, single_chat
 from jitney.cli import main as cli
 
@@ -31,6 +37,29 @@ def test_bench_runs_each_mode_and_writes_json_and_a_plot(tmp_path):
     assert report["weight_bytes"] == sum(p.numel() * 4 for p in model.parameters()) - model.model.embed_tokens.weight.numel() * 4
     assert report["read_gbps"] > 0 and "weight_read_share" not in jitney  # many requests: not read-bound
     assert 0 < jitney["attainable_share"] and "attainable_share" not in cb and "step_shapes" not in jitney
+
+
+def test_a_peer_that_crashes_fails_its_row_and_the_others_are_still_reported(tmp_path, capsys):
+    tiny_llama().save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "bench.json"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(tmp_path / "tiny"), "--workload", "long-prompt", "--max-batch-tokens", "48",
+                              "--modes", "jitney,crashing,fake-q4", "--json", str(out)])
+    # fake-q4: llama-cpp-q4's options (repacked, then not) over a peer that crashes when repacking
+    peers = {"crashing": Peer(fake_peers.segfaults),
+             "fake-q4": Peer(fake_peers.segfaults_when_repacked, PEERS["llama-cpp-q4"].options)}
+    assert bench(args, peers) == 0
+    jitney, crashed, q4 = json.loads(out.read_text())["rows"]
+    assert jitney["mode"] == "jitney" and jitney["output_tok_s"] > 0 and jitney["same_tokens_as_first"] == 1.0
+    assert crashed["mode"] == "crashing" and crashed["failed"] == "SIGSEGV" and "SIGSEGV" in crashed["reason"]
+    assert "output_tok_s" not in crashed
+    assert q4["mode"] == "fake-q4" and q4["wall_s"] == 0.5 and q4["peak_rss_mib"] > 0
+    assert q4["note"] == "no repack (repacked run killed by SIGSEGV)"
+    table = capsys.readouterr().out.split("\nmode ")[1]
+    assert table.splitlines()[1].startswith("jitney ")
+    assert "crashing       failed (SIGSEGV): killed by SIGSEGV" in table
+    assert "fake-q4: no repack (repacked run killed by SIGSEGV)" in table
 
 
 def test_the_attainable_bound_is_each_steps_compute_or_its_reads():
