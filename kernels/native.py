@@ -218,9 +218,5 @@ def _compiler_version() -> str:
 
 def _cpu_tag() -> str:
     """A short hash of this CPU's feature flags (Linux), else of what `platform` says about it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            what = next(line for line in f if line.startswith("flags"))
-    except (OSError, StopIteration):
-        what = f"{platform.machine()} {platform.processor()}"
+    what = " ".join(sorted(cpu_flags())) or f"{platform.machine()} {platform.processor()}"
     return hashlib.sha1(what.encode()).hexdigest()[:10]

@@ -114,3 +114,23 @@ def test_the_build_folder_changes_with_torch_and_the_compiler(monkeypatch, tmp_p
     other_torch = native.build_dir()
     assert len({first, other_compiler, other_torch}) == 3
     assert first.parent == other_compiler.parent == other_torch.parent  # side by side in the jitney cache
+
+
+def test_each_level_and_tuning_has_its_own_build_and_a_level_the_cpu_lacks_is_refused(monkeypatch, tmp_path):
+    monkeypatch.delenv("JITNEY_KERNEL_TUNE", raising=False)
+    monkeypatch.setattr(native, "cpu_flags", lambda: native.LEVELS["avx512"][1])  # an AVX-512 CPU without VNNI
+    folders = set()
+    for level, tune in [("native", ""), ("x86-64-v3", ""), ("avx512", ""), ("avx512", "znver3")]:
+        monkeypatch.setenv("JITNEY_KERNEL_LEVEL", level)
+        monkeypatch.setenv("JITNEY_KERNEL_TUNE", tune)
+        assert native.target() == (level, tune)
+        folders.add(native.build_dir())
+    assert len(folders) == 4
+    monkeypatch.setenv("JITNEY_KERNEL_LEVEL", "avx512-vnni-bf16")
+    with pytest.raises(RuntimeError, match="cannot run kernels built for avx512-vnni-bf16: it lacks avx512_bf16 avx512_vnni"):
+        native.target()
+    # in a fresh process: never built, torch's kernels used, and the reason in the warning
+    env = {**os.environ, "JITNEY_KERNEL_LEVEL": "x86-64-v9"}
+    run = _python("from jitney.kernels import native; print(native.available())", cwd=tmp_path, env=env)
+    assert run.stdout.split() == ["False"]
+    assert "JITNEY_KERNEL_LEVEL='x86-64-v9': not one of native, x86-64-v3, avx512, avx512-vnni-bf16" in run.stderr
