@@ -39,7 +39,7 @@ def _setup(args: argparse.Namespace) -> int:
 
     print(embedded_checkpoint())
     # built here once, so that the first engine does not wait for the compiler
-    print("C++ CPU kernels:", "built" if native.available() else "not available (torch's are used)")
+    print("C++ CPU kernels:", native.describe())
     return 0
 
 

@@ -404,6 +404,9 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
           f"{out_tokens} output tokens; torch threads {torch.get_num_threads()}; model in {dtype}")
     first_peak = matmul_peak_gflops()
     gflop = workload_gflop(model, work)
+    from jitney.kernels import native
+
+    print(f"C++ CPU kernels: {native.describe()}")
     print(f"fp32 matmul peak {first_peak:.0f} GFLOP/s; workload {gflop:.0f} GFLOP -> {gflop / first_peak:.1f} s at the roofline")
     first_read, weights = read_rate_gbps(), weight_bytes(model)
     print(f"memory read {first_read:.1f} GB/s; weights {weights / 1e6:.0f} MB -> one pass a token allows "

@@ -102,6 +102,16 @@ def available() -> bool:
         return False
 
 
+def describe() -> str:
+    """Which kernels run, in words: the level and tuning built for, or why torch's are used instead."""
+    try:
+        load()
+    except Exception as exc:
+        return f"not available ({exc}); torch's are used"
+    level, tune = target()
+    return f"built for {level}" + (f", tuned for {tune}" if tune else "")
+
+
 def target() -> tuple[str, str]:
     """The level and tuning to build for (``$JITNEY_KERNEL_LEVEL``, ``$JITNEY_KERNEL_TUNE``); raises where the level is
     unknown or needs instructions this CPU lacks."""

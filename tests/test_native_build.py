@@ -134,3 +134,8 @@ def test_each_level_and_tuning_has_its_own_build_and_a_level_the_cpu_lacks_is_re
     run = _python("from jitney.kernels import native; print(native.available())", cwd=tmp_path, env=env)
     assert run.stdout.split() == ["False"]
     assert "JITNEY_KERNEL_LEVEL='x86-64-v9': not one of native, x86-64-v3, avx512, avx512-vnni-bf16" in run.stderr
+
+
+def test_the_level_that_runs_is_said(build):
+    level, tune = native.target()
+    assert native.describe() == f"built for {level}" + (f", tuned for {tune}" if tune else "")
