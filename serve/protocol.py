@@ -208,9 +208,25 @@ _WHERE = re.compile(r"^(?P<what>.*) - at `\$\.(?P<field>[A-Za-z_]+)(?P<rest>[^`]
 _MISSING = re.compile(r"missing required field `([A-Za-z_]+)`$")
 
 
+NEUTRAL: dict[str, tuple] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}), "min_p": (None, 0), "min_tokens": (None, 0), "best_of": (None, 1),
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+}
+"""Fields this server does not implement, each with the values that ask for nothing of it (OpenAI's defaults, and
+null): SDKs and frameworks send them as they are; a body with any other value of them is refused with a 400."""
+
+
+def _neutral(name: str, value) -> bool:
+    # (`0 == False` in Python: a boolean counts only where a boolean is listed, so that `logprobs: 0` is no neutral)
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in NEUTRAL.get(name, ()))
+
+
 def parse(raw: bytes, kind: type[msgspec.Struct], model: str):
-    """Decode a request body for `model`; unknown (unsupported) fields are named in a 400, as are bad values;
-    another model's name is a 404."""
+    """Decode a request body for `model`; unknown (unsupported) fields are named in a 400, as are bad values, unless
+    they hold a value that asks for nothing (`NEUTRAL`); another model's name is a 404."""
     try:
         data = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
@@ -219,6 +235,7 @@ def parse(raw: bytes, kind: type[msgspec.Struct], model: str):
         raise ApiError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
+    data = {k: v for k, v in data.items() if k in kind.__struct_fields__ or not _neutral(k, v)}
     unsupported = sorted(set(data) - set(kind.__struct_fields__))
     if unsupported:
         raise ApiError(400, f"unsupported field(s): {', '.join(unsupported)}", param=unsupported[0])

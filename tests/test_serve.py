@@ -133,6 +133,23 @@ def test_bad_input_gets_an_openai_style_4xx_and_the_server_keeps_serving(server,
     assert client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text == expected[0]
 
 
+def test_fields_sent_at_their_neutral_values_are_accepted(server, client, expected):
+    """SDKs and frameworks send the fields they know at their defaults: those ask for nothing, so they are served
+    as if absent; the same fields asking for something are still refused by name."""
+    neutral = {"tools": [], "tool_choice": "none", "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0,
+               "logit_bias": {}, "response_format": {"type": "text"}, "parallel_tool_calls": True}
+    chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
+                                          temperature=0, extra_body={**neutral, "tools": None, "min_p": 0})
+    assert chat.choices[0].message.content
+    text = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=None,
+                                     echo=False, presence_penalty=0, best_of=1)
+    assert text.choices[0].text == expected[0]
+    for field, value in (("logprobs", True), ("presence_penalty", 0.5), ("logprobs", 0), ("response_format", {"type": "json_object"})):
+        r = httpx.post(server[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], field: value})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (field, value)
+
+
 def test_metrics_move(server, client):
     def value(name):
         text = httpx.get(server[0] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
