@@ -169,8 +169,15 @@ def _build(build: Path):
         os.environ["PATH"] = sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", "")
     build.mkdir(parents=True, exist_ok=True)
     with _build_lock(build, float(os.environ.get("JITNEY_KERNEL_BUILD_WAIT_S") or BUILD_WAIT_S)):
+        # Compiled from a copy inside the folder: the folder is named by the source's content, and torch's
+        # loader rebuilds whenever the command changes, so two checkouts of the same source would otherwise
+        # rebuild each other's kernels at every start (their paths differ).
+        source = build / _SOURCE.name
+        text = _SOURCE.read_bytes()
+        if not source.exists() or source.read_bytes() != text:
+            source.write_bytes(text)
         # lists of their own: torch's loader appends its libraries to the flags it is given
-        return load("jitney_cpu", sources=[str(_SOURCE)], build_directory=str(build),
+        return load("jitney_cpu", sources=[str(source)], build_directory=str(build),
                     extra_cflags=list(_flags()), extra_ldflags=list(_LDFLAGS))
 
 

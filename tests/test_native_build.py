@@ -139,3 +139,11 @@ def test_each_level_and_tuning_has_its_own_build_and_a_level_the_cpu_lacks_is_re
 def test_the_level_that_runs_is_said(build):
     level, tune = native.target()
     assert native.describe() == f"built for {level}" + (f", tuned for {tune}" if tune else "")
+
+
+def test_the_build_command_does_not_name_the_checkout(build):
+    """Two checkouts of the same source share a build folder (named by the source's content): were the command
+    to name either one's path, each would rebuild the kernels the other built, at every start."""
+    ninja = (build / "build.ninja").read_text()
+    assert str(build / "cpu_kernels.cpp") in ninja
+    assert str(native._SOURCE) not in ninja
