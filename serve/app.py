@@ -1,4 +1,5 @@
-"""The Starlette application: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /openapi.json."""
+"""The Starlette application: /v1/completions, /v1/chat/completions, /v1/models (and /v1/models/{id}), /health,
+/metrics, /openapi.json."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def build_app(
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/v1/chat/completions", server.chat, methods=["POST"]),
             Route("/v1/models", server.models),
+            Route("/v1/models/{model_id:path}", server.model),
             Route("/health", server.health),
             Route("/metrics", server.prometheus),
             Route("/openapi.json", server.openapi_document),
@@ -229,9 +231,20 @@ class _Server:
 
     # -- the rest --------------------------------------------------------------------------------------------
 
+    def _card(self) -> p.ModelCard:
+        return p.ModelCard(id=self.model_name, object="model", created=0, owned_by="jitney")
+
     async def models(self, request: HttpRequest) -> Response:
-        card = p.ModelCard(id=self.model_name, object="model", created=0, owned_by="jitney")
-        return json_response(p.ModelList(object="list", data=[card]))
+        return json_response(p.ModelList(object="list", data=[self._card()]))
+
+    async def model(self, request: HttpRequest) -> Response:
+        """`GET /v1/models/{id}` (the client's `models.retrieve`): the served model's card, or a 404."""
+        asked = request.path_params["model_id"]
+        if asked != self.model_name:
+            err = ApiError(404, f"model {asked!r} does not exist; this server has {self.model_name!r}", param="model",
+                           kind="model_not_found")
+            return json_response(err.body(), 404)
+        return json_response(self._card())
 
     async def health(self, request: HttpRequest) -> Response:
         if not self.engine.healthy:

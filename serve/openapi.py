@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from jitney.serve.protocol import (
-    RESPONSES, ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, ErrorBody, Health, ModelList,
+    RESPONSES, ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, ErrorBody, Health, ModelCard, ModelList,
 )
 
 _REF = "#/components/schemas/{name}"
@@ -55,6 +55,10 @@ def openapi(completion_body: type, chat_body: type, secured: bool, version: str)
         "/v1/chat/completions": generation(chat_body, ChatCompletion, ChatCompletionChunk, "answer a conversation"),
         "/v1/models": {"get": {"summary": "the model served", "responses": answers(
             200, "the model list", {"application/json": {"schema": ref[ModelList]}}, (401,))}},
+        "/v1/models/{model}": {"get": {
+            "summary": "the model served, by its id",
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": answers(200, "its card", {"application/json": {"schema": ref[ModelCard]}}, (401, 404))}},
         "/health": {"get": {"summary": "whether the engine's step loop runs", **public, "responses": answers(
             200, "it runs", {"application/json": {"schema": ref[Health]}}, (503,))}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": answers(

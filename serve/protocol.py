@@ -152,7 +152,7 @@ class Health(msgspec.Struct, kw_only=True):
     status: Literal["ok"]
 
 
-RESPONSES = (Completion, ChatCompletion, CompletionChunk, ChatCompletionChunk, ModelList, ErrorBody, Health)
+RESPONSES = (Completion, ChatCompletion, CompletionChunk, ChatCompletionChunk, ModelList, ModelCard, ErrorBody, Health)
 
 
 # -- requests ----------------------------------------------------------------------------------------------

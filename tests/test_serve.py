@@ -87,7 +87,11 @@ def test_streamed_text_stops_before_the_stop_string(client, expected):
 
 def test_models_health_and_auth(server, client):
     assert [m.id for m in client.models.list()] == ["smollm2"]
+    assert client.models.retrieve("smollm2").id == "smollm2"
+    with pytest.raises(openai.NotFoundError, match="gpt-9"):
+        client.models.retrieve("gpt-9")
     url = server[0]
+    assert httpx.get(url + "/v1/models/smollm2").status_code == 401
     assert httpx.get(url + "/health").status_code == 200
     assert httpx.get(url + "/v1/models").status_code == 401
     with pytest.raises(openai.AuthenticationError):
