@@ -102,8 +102,8 @@ class _Server:
     async def chat(self, request: HttpRequest) -> Response:
         body = await self._admit(request, self.ChatBody)
         with self._admitted(body.n):
-            self._check_size(sum(len(m.role.encode()) + len(m.content.encode()) for m in body.messages), "messages")
-            messages = [{"role": m.role, "content": m.content} for m in body.messages]
+            self._check_size(sum(len(m.role.encode()) + len(m.text().encode()) for m in body.messages), "messages")
+            messages = [m.for_template() for m in body.messages]
             ids = await self._tokenize(self._apply_template, messages)
             limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             room = min(1024, self.max_tokens or 1024, self.engine.max_context - len(ids))

@@ -162,9 +162,34 @@ class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
+class TextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A part of a message's content given as an array: text only (this server serves text models)."""
+
+    type: Literal["text"]
+    text: str
+
+
 class Message(msgspec.Struct, kw_only=True):
-    role: str
-    content: str
+    """A chat message as OpenAI's API sends it. `content` may be text, an array of text parts (joined), or null (an
+    assistant turn that only called tools); the fields of a tool-call history (`tool_calls`, `tool_call_id`, `name`)
+    are accepted so that such a history replays, and reach the chat template as they are."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        """The content as one string."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as a chat template reads it: its text, and whichever tool-call fields it has."""
+        extra = {k: getattr(self, k) for k in ("name", "tool_calls", "tool_call_id") if getattr(self, k) is not None}
+        return {"role": self.role, "content": self.text(), **extra}
 
 
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # a torch generator's range (sample i uses seed + i)

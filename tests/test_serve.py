@@ -154,6 +154,25 @@ def test_fields_sent_at_their_neutral_values_are_accepted(server, client, expect
         assert r.status_code == 400 and field in r.json()["error"]["message"], (field, value)
 
 
+def test_messages_in_the_shapes_openai_clients_send(server, client):
+    """Content as an array of text parts reads as its joined text; a tool-call history (an assistant turn with null
+    content and tool calls, then the tool's answer) replays; an unknown role or a non-text part is a 400 naming it."""
+    def answer(messages):
+        return client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0).choices[0].message.content
+
+    parts = [{"type": "text", "text": "Name a colour"}, {"type": "text", "text": " of the sky."}]
+    assert answer([{"role": "user", "content": parts}]) == answer([{"role": "user", "content": "Name a colour of the sky."}])
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    assert answer([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+                   {"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "12 C, rain"}])
+    for message, words in (({"role": "wizard", "content": "hi"}, "role"),
+                           ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages")):
+        r = httpx.post(server[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "smollm2", "messages": [message]})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
 def test_metrics_move(server, client):
     def value(name):
         text = httpx.get(server[0] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
