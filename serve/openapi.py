@@ -25,6 +25,9 @@ def openapi(completion_body: type, chat_body: type, secured: bool, version: str)
     structs = (completion_body, chat_body, *RESPONSES)
     refs, components = msgspec.json.schema_components(structs, ref_template=_REF)
     ref = dict(zip(structs, refs))
+    # (a batch of one prompt, which `parse` takes as that prompt: not a type the struct can say)
+    components[completion_body.__name__]["properties"]["prompt"]["anyOf"].append(
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1})
 
     def error(status: int) -> tuple[str, dict]:
         media = {"application/json": {"schema": ref[ErrorBody]}}

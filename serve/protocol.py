@@ -261,6 +261,12 @@ def parse(raw: bytes, kind: type[msgspec.Struct], model: str):
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
     data = {k: v for k, v in data.items() if k in kind.__struct_fields__ or not _neutral(k, v)}
+    prompts = data.get("prompt") if "prompt" in kind.__struct_fields__ else None
+    if isinstance(prompts, list) and prompts and all(isinstance(x, str) for x in prompts):
+        if len(prompts) > 1:  # (OpenAI's batch of prompts: not served here)
+            raise ApiError(400, f"a list of {len(prompts)} prompts: this server takes one prompt a request (a string, "
+                                "or a list of token ids); send them as requests of their own", param="prompt")
+        data["prompt"] = prompts[0]  # (a batch of one, as some clients send every prompt)
     unsupported = sorted(set(data) - set(kind.__struct_fields__))
     if unsupported:
         raise ApiError(400, f"unsupported field(s): {', '.join(unsupported)}", param=unsupported[0])

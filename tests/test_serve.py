@@ -139,7 +139,8 @@ def test_bad_input_gets_an_openai_style_4xx_and_the_server_keeps_serving(server,
 
 def test_fields_sent_at_their_neutral_values_are_accepted(server, client, expected):
     """SDKs and frameworks send the fields they know at their defaults: those ask for nothing, so they are served
-    as if absent; the same fields asking for something are still refused by name."""
+    as if absent (and a prompt as a batch of one, as some send every prompt); the same fields asking for something,
+    and a batch of several prompts, are refused by name."""
     neutral = {"tools": [], "tool_choice": "none", "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0,
                "logit_bias": {}, "response_format": {"type": "text"}, "parallel_tool_calls": True}
     chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
@@ -148,6 +149,9 @@ def test_fields_sent_at_their_neutral_values_are_accepted(server, client, expect
     text = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=None,
                                      echo=False, presence_penalty=0, best_of=1)
     assert text.choices[0].text == expected[0]
+    assert client.completions.create(model="smollm2", prompt=[PROMPT], max_tokens=12, temperature=0).choices[0].text == expected[0]
+    with pytest.raises(openai.BadRequestError, match="a list of 2 prompts: this server takes one prompt a request"):
+        client.completions.create(model="smollm2", prompt=[PROMPT, PROMPT], max_tokens=12)
     for field, value in (("logprobs", True), ("presence_penalty", 0.5), ("logprobs", 0), ("response_format", {"type": "json_object"})):
         r = httpx.post(server[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                        json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], field: value})
