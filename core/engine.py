@@ -126,30 +126,35 @@ class Engine:
         check = self.config.check_model
         if check:  # the model's own logits, before anything of jitney's is bound to it
             sequences = selfcheck.probe_tokens(self.vocab_size)
-            reference = self._forward.pool.submit(selfcheck.reference_logits, self.model, sequences,
-                                                  self.config.weights, self.config.kv_cache_dtype).result()
+            reference = await self._started_on_forward_thread(selfcheck.reference_logits, self.model, sequences,
+                                                              self.config.weights, self.config.kv_cache_dtype)
             # without the format's rounding too, so that a refusal can tell the format's effect from jitney's
-            own = (self._forward.pool.submit(selfcheck.reference_logits, self.model, sequences).result()
+            own = (await self._started_on_forward_thread(selfcheck.reference_logits, self.model, sequences)
                    if self.config.weights or self.config.kv_cache_dtype else None)
         self._saved_attn = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_NAME)
         self._attn_bound = True
         # Packed on the thread that runs the forwards: weights packed on another thread made each step of
         # SmolLM2 at batch 1 ~30% slower (55 vs 42 ms).
-        self._cpu_paths = self._forward.pool.submit(assembly.enter_cpu_paths, self.config, self.model).result()
+        self._cpu_paths = await self._started_on_forward_thread(assembly.enter_cpu_paths, self.config, self.model)
         fused = next((p for p in self._cpu_paths if isinstance(p, cpu_layers.FusedLayers)), None)
         if fused is not None and type(self.executor.backend) is CpuPagedAttention:  # the kernel the decoder runs
             self.executor.decoder = fused.decoder
         self.speculate, self.lookup = self._plan_speculation()
         if self.speculate:  # the draft's weights packed now, on the forward thread, not in a request's first step
-            self._forward.pool.submit(lambda: self.executor.decoder.draft).result()
+            await self._started_on_forward_thread(lambda: self.executor.decoder.draft)
         if check:  # the same rows through what will serve: refused here rather than wrong tokens later
-            self._forward.pool.submit(selfcheck.check, self, reference, sequences, own).result()
+            await self._started_on_forward_thread(selfcheck.check, self, reference, sequences, own)
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._running = True
         self._loop_alive = True  # (from now: the loop task starts at the next await)
         self._task_group.start_soon(self._loop)
+
+    async def _started_on_forward_thread(self, fn, *args):
+        """`fn(*args)` on the forward thread, awaited without holding the event loop: start-up's packing, draft and
+        checks take seconds, and an app enters the engine beside its own tasks (a web server's lifespan)."""
+        return await anyio.to_thread.run_sync(self._forward.pool.submit(fn, *args).result)
 
     def _plan_speculation(self) -> tuple[int, int]:
         """Draft tokens and prompt-lookup tokens per decode (`EngineConfig.speculative_tokens`, `lookup_tokens`):

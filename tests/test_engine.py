@@ -364,3 +364,32 @@ def test_a_decode_steps_rows_are_those_of_the_general_path(ahead):
     for other in (chunk, last):
         assert StepExecutor._decode_rows(entries + [(other, 1)], ahead=False) is None
         assert StepExecutor._mixed_rows(entries + [(other, 1)], ahead=False)[-1] == len(entries)  # decodes counted
+
+
+async def test_entering_the_engine_leaves_the_event_loop_free(llama, monkeypatch):
+    """Start-up's work (packing, the draft, the check) runs on the forward thread while the app's tasks go on."""
+    from jitney.core import selfcheck
+
+    real = selfcheck.reference_logits
+
+    def slow(*args, **kw):  # (a tiny model starts in milliseconds: as a real one takes seconds)
+        import time
+
+        time.sleep(0.5)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(selfcheck, "reference_logits", slow)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.02)
+            ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        async with Engine(llama, config=EngineConfig(num_blocks=32)) as engine:
+            assert engine.healthy
+        tg.cancel_scope.cancel()
+    assert ticks >= 10  # ~25 in the half second the check's reference took
