@@ -102,6 +102,10 @@ class Token:
     token_id: int
     text: str
     index: int = 0
+    finish_reason: str | None = None
+    """On a sample's final token, how the sample ended (`Sample.finish_reason`: "length", "stop"...); None on the
+    others. A sample cancelled or failed after its last token was streamed has none: the stream ends (or raises
+    `RequestError`), and `TokenStream.completion()` says how."""
 
 
 @dataclass(frozen=True)

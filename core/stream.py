@@ -47,8 +47,7 @@ class TokenStream:
             while not self._buffer:
                 self._buffer = collector.take()
                 if self._buffer:
-                    if self._stops:
-                        self._mark_last()
+                    self._mark_last()
                     break
                 if collector.done:
                     failed = [s for s in collector.samples if s.status is RequestStatus.FAILED]
@@ -61,18 +60,19 @@ class TokenStream:
                 self.engine.abort(self.request_id)
             raise
         index, tok = self._buffer.pop(0)
+        last = self._last.get(index) == 0
+        for i in self._last:
+            self._last[i] -= 1
         detok = self._detok.get(index) or self._detok.setdefault(index, Detokenizer(self.engine.tokenizer))
         text = detok.add(tok)
         if self._stops:
-            last = self._last.get(index) == 0
             text = (self._texts.get(index) or self._texts.setdefault(index, _StopText(self._stops))).add(text, last)
-            for i in self._last:
-                self._last[i] -= 1
-        return Token(tok, text, index)
+        return Token(tok, text, index, self.collector.samples[index].finish_reason if last else None)
 
     def _mark_last(self) -> None:
         """Note where each ended sample's final token lies in the buffer just taken (its held-back text goes
-        out with it). The engine ends a sample in the step that hands out its last token, before waking us."""
+        out with it, and its finish reason). The engine ends a sample in the step that hands out its last token,
+        before waking us."""
         self._last = {}
         for pos, (index, _) in enumerate(self._buffer):
             if self.collector.samples[index].status.done:

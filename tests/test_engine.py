@@ -393,3 +393,18 @@ async def test_entering_the_engine_leaves_the_event_loop_free(llama, monkeypatch
             assert engine.healthy
         tg.cancel_scope.cancel()
     assert ticks >= 10  # ~25 in the half second the check's reference took
+
+
+async def test_each_samples_final_token_says_how_it_ended(llama):
+    ref = reference(llama, [5, 6, 7, 8], 6)
+    async with Engine(llama, config=EngineConfig(num_blocks=32)) as engine:
+        tokens = [t async for t in engine.stream(greedy([5, 6, 7, 8], 6))]
+        assert [t.token_id for t in tokens] == ref
+        assert [t.finish_reason for t in tokens] == [None] * 5 + ["length"]
+        stopped = [t async for t in engine.stream(Request([5, 6, 7, 8], SamplingParams(max_new_tokens=6,
+                                                                                      stop_token_ids=[ref[2]])))]
+        assert [t.finish_reason for t in stopped] == [None] * ref.index(ref[2]) + ["stop"]  # (its first occurrence)
+        both = [t async for t in engine.stream(Request([5, 6, 7], SamplingParams(max_new_tokens=4, n=2,
+                                                                                temperature=1.0, seed=3)))]
+        for i in (0, 1):
+            assert [t.finish_reason for t in both if t.index == i] == [None] * 3 + ["length"]
