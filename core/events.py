@@ -97,7 +97,10 @@ class RequestSoftReset(Event, frozen=True):
 class StepCompleted(Event, frozen=True):
     requests: int
     prefill_tokens: int
+    """Prompt tokens computed in the step, whatever each chunk's size (a chunk of one token too); they add up to the
+    `PrefillChunk` events' tokens."""
     decode_tokens: int
+    """The step's other query tokens: one a decoding request (its guesses, in a speculative step, not counted)."""
     forward_s: float
     """Seconds inside the model forward and sampling."""
     step_s: float
