@@ -72,7 +72,7 @@ def run_target(level: str, tune: str, tests: list[str], with_margins: bool) -> d
     """Build for (level, tune) in a child process and run `tests` against it: a row of the table."""
     row = {"level": level, "tuning": tune or "default"}
     env = {**os.environ, "JITNEY_KERNEL_LEVEL": level, "JITNEY_KERNEL_TUNE": tune}
-    missing = sorted(native.LEVELS[level][1] - native.cpu_flags())
+    missing = native.lacking(level)
     if missing:
         return {**row, "result": f"not run: this CPU lacks {' '.join(missing)}"}
     start = time.monotonic()

@@ -101,8 +101,8 @@ def tolerance(engine: Engine) -> float:
     """How far, as a share of the logits' scale, the served rows may lie from the reference of the format they
     compute in. fp32 throughout: 1e-3 (the same sums in another order). Elsewhere a rounding step (to int8 or bf16)
     can send a value the other way than torch's reference does when the two computed it a last bit apart, and the
-    step grows through the layers: each bound is about twice the largest difference measured for SmolLM2 over the
-    kernels' instruction-set levels and tunings (docs/reliability.md, `python -m jitney.bench.levels`)."""
+    step grows through the layers: each bound is at least about twice the largest difference measured for SmolLM2
+    over the kernels' instruction-set levels and tunings (docs/reliability.md, `python -m jitney.bench.levels`)."""
     half = next(engine.model.parameters()).dtype != torch.float32
     cache = engine.cache.keys[0].dtype
     if engine.config.weights == "w8a8":  # int8 activations: 2.6-5.6% measured; over a bf16 cache 3.2-5.2%

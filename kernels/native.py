@@ -119,10 +119,15 @@ def target() -> tuple[str, str]:
     tune = os.environ.get("JITNEY_KERNEL_TUNE") or ""
     if level not in LEVELS:
         raise ValueError(f"JITNEY_KERNEL_LEVEL={level!r}: not one of {', '.join(LEVELS)}")
-    missing = sorted(LEVELS[level][1] - cpu_flags())
+    missing = lacking(level)
     if missing:
         raise RuntimeError(f"this CPU cannot run kernels built for {level}: it lacks {' '.join(missing)}")
     return level, tune
+
+
+def lacking(level: str) -> list[str]:
+    """The CPU features `level` needs that this CPU lacks (none: it can run that level's kernels)."""
+    return sorted(LEVELS[level][1] - cpu_flags())
 
 
 def cpu_flags() -> frozenset[str]:
