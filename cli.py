@@ -14,8 +14,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     engine = Engine.from_pretrained(args.model, config=EngineConfig(
         max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, speculative_tokens=args.speculative_tokens,
-        lookup_tokens=args.lookup_tokens, weights=args.weights, kv_cache_dtype=args.kv_cache_dtype,
-        scheduler=args.scheduler, eviction=args.eviction, chunk_context_cost=args.chunk_context_cost))
+        lookup_tokens=args.lookup_tokens, weights=args.weights, compute=args.compute,
+        kv_cache_dtype=args.kv_cache_dtype, scheduler=args.scheduler, eviction=args.eviction, chunk_context_cost=args.chunk_context_cost))
     tok = engine.tokenizer
     prompt: str | list[int] = args.prompt
     if not args.raw and tok is not None and tok.chat_template:
@@ -60,6 +60,9 @@ def _cpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default=None, choices=["int8", "w8a8", "bf16"],
                         help="int8: the linear layers through int8 copies of their weights; w8a8: their inputs rounded "
                              "to int8 too; bf16: through bf16 copies (CPU; EngineConfig.weights)")
+    parser.add_argument("--compute", default=None, choices=["fp32", "bf16"],
+                        help="bf16: the linear layers (not the LM head) round their rows and weights to bfloat16 and "
+                             "sum in fp32, on AMX or AVX512-BF16 where the CPU has them (EngineConfig.compute)")
     parser.add_argument("--kv-cache-dtype", default=None, choices=["bf16", "int8"],
                         help="bf16: keys and values cached rounded to bfloat16, half the memory and half what decode "
                              "attention reads; int8: as int8 codes with a scale per position and head, about a quarter "
@@ -71,8 +74,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     fields = dict(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
                   cpu_offload_space=args.cpu_offload_space, speculative_tokens=args.speculative_tokens,
-                  lookup_tokens=args.lookup_tokens, weights=args.weights, kv_cache_dtype=args.kv_cache_dtype,
-                  scheduler=args.scheduler, eviction=args.eviction, chunk_context_cost=args.chunk_context_cost)
+                  lookup_tokens=args.lookup_tokens, weights=args.weights, compute=args.compute,
+                  kv_cache_dtype=args.kv_cache_dtype, scheduler=args.scheduler, eviction=args.eviction, chunk_context_cost=args.chunk_context_cost)
     EngineConfig(**fields)  # (a bad value is refused here, before any replica starts)
     if args.replicas < 1:
         raise ValueError("--replicas must be >= 1")

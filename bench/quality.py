@@ -1,6 +1,6 @@
 """`jitney quality`: what a weight format or a KV cache's dtype costs in quality, measured. Perplexity of a model on
 held-out English text through the engine's own linear kernels, fp32 against int8 weights and int8 weights and
-activations (`EngineConfig.weights`), and keys and values rounded as a bf16 or int8 cache holds them
+activations (`EngineConfig.weights`), fp32 weights computed in bf16 (`EngineConfig.compute`), and keys and values rounded as a bf16 or int8 cache holds them
 (`EngineConfig.kv_cache_dtype`), and how often each one's most likely next token is fp32's (teacher-forced, every
 position).
 
@@ -18,7 +18,8 @@ import time
 
 import torch
 
-WEIGHTS = ("fp32", "int8", "w8a8", "bf16")
+WEIGHTS = ("fp32", "int8", "w8a8", "bf16", "bf16c")
+"""Weight formats (`EngineConfig.weights`), and "bf16c": fp32 weights with bf16 compute (`EngineConfig.compute`)."""
 KV = "kv"
 """A kind's suffix, `kv` and an `EngineConfig.kv_cache_dtype` (`int8+kvbf16`): its keys and values rounded as a KV
 cache of that dtype holds them."""
@@ -27,7 +28,7 @@ cache of that dtype holds them."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help='a local checkpoint directory, or "smollm2" (default)')
     parser.add_argument("--weights", default="fp32,int8",
-                        help="comma-separated: fp32, int8, w8a8, bf16, each optionally +kvbf16 or +kvint8 (keys and "
+                        help="comma-separated: fp32, int8, w8a8, bf16, bf16c (bf16 compute), each optionally +kvbf16 or +kvint8 (keys and "
                              "values rounded as a bf16 or int8 KV cache holds them); the first is the baseline")
     parser.add_argument("--tokens", type=int, default=32768, help="tokens of the text to score (its start)")
     parser.add_argument("--window", type=int, default=1024, help="tokens a forward pass sees (windows do not overlap)")
@@ -69,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--weights: unknown {kind!r} (known: {', '.join(WEIGHTS)}, each optionally "
                              f"+{' or +'.join(KV + name for name in KV_CACHE_DTYPES)})")
     if {k.partition("+")[0] for k in kinds} - {"fp32"} and not native.available():
-        raise ValueError("int8, w8a8 and bf16 weights need jitney's C++ kernels, which do not build here")
+        raise ValueError("int8, w8a8 and bf16 weights and bf16 compute need jitney's C++ kernels, which do not build here")
     if args.tokens < 2 or args.window < 2:
         raise ValueError("--tokens and --window must be at least 2")
     model, tokenizer = load_model(args.model)
@@ -83,7 +84,9 @@ def main(args: argparse.Namespace) -> int:
         weights, _, kv = kind.partition("+")
         rounded_kv = RoundedKV(model, KV_CACHE_DTYPES[kv.removeprefix(KV)]) if kv else contextlib.nullcontext()
         # (the engine's kernels, fp32 too)
-        with cpu_linear.PackedLinears(model, quantized=None if weights == "fp32" else weights), rounded_kv:
+        packed = (cpu_linear.PackedLinears(model, compute="bf16") if weights == "bf16c"
+                  else cpu_linear.PackedLinears(model, quantized=None if weights == "fp32" else weights))
+        with packed, rounded_kv:
             nll, best = score(model, ids, args.window)
         row = {"weights": kind, "perplexity": round(math.exp(nll), 4), "seconds": round(time.perf_counter() - t, 1)}
         if base is None:

@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated: jitney, jitney-nocache (prefix caching off), jitney-nospec "
                              "(speculative decoding off: the draft and prompt lookup), jitney-nolookup (prompt lookup off), "
                              "jitney-unfused (transformers' layers over the packed linears, no one-call decoder), jitney-int8 / jitney-w8a8 / jitney-bf16 (int8 weights / and activations / bf16 weights), "
+                             "jitney-bf16c (bf16 compute: EngineConfig.compute), "
                              "jitney-kvbf16 / jitney-kvint8 (a bf16 / int8 KV cache), "
                              "jitney-noscreen (every logit of greedy rows computed), "
                              "hf-cb (transformers continuous batching), hf-static (transformers generate), llama-cpp / llama-cpp-q4 (llama.cpp on the same weights in F32 "
@@ -322,6 +323,8 @@ def runs(args, peers: Mapping[str, Peer] = PEERS) -> list[tuple[str, Callable]]:
             out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, lm_head_screen=False)))
         elif mode in ("jitney-int8", "jitney-w8a8", "jitney-bf16"):
             out.append((mode, lambda m, t, w, a, q=mode[7:]: run_jitney(m, t, w, a, weights=q)))
+        elif mode == "jitney-bf16c":
+            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, compute="bf16")))
         elif mode in ("jitney-kvbf16", "jitney-kvint8"):
             out.append((mode, lambda m, t, w, a, kv=mode[9:]: run_jitney(m, t, w, a, kv_cache_dtype=kv)))
         elif mode in ("hf-cb", "hf-static"):

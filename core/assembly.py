@@ -4,6 +4,7 @@ packed and fused paths, and the model's stop tokens. Each is decided once, when 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 
 import torch
@@ -15,6 +16,8 @@ from jitney.core.graphs import CudaGraphCapture, StaticDecoder, eager
 from jitney.kernels import cpu_layers, cpu_linear, native
 from jitney.kernels.base import KV_CACHE_DTYPES
 from jitney.kernels.torch_paged import TorchPagedAttention
+
+log = logging.getLogger("jitney")
 
 
 def default_attention(param: torch.Tensor) -> str:
@@ -133,7 +136,8 @@ def cpu_paths(cfg: EngineConfig, model) -> tuple[bool, bool]:
     on_cpu = next(model.parameters()).device.type == "cpu"
     pack = cfg.pack_cpu_weights
     if pack is None:
-        pack = on_cpu and (native.available() if cfg.batch_invariant or cfg.weights else cpu_linear.available())
+        pack = on_cpu and (native.available() if cfg.batch_invariant or cfg.weights or cfg.compute == "bf16"
+                         else cpu_linear.available())
     fuse = cfg.fuse_cpu_layers
     if fuse is None:
         fuse = pack and native.available()
@@ -145,19 +149,48 @@ def enter_cpu_paths(cfg: EngineConfig, model) -> list:
     the caller exits them in reverse order. If one fails to enter, those already entered are exited."""
     pack, fuse = cpu_paths(cfg, model)
     fuse = fuse and (next(model.parameters()).dtype == torch.float32 or half_fused(cfg, model))
-    quantized = cfg.weights
+    quantized, compute = cfg.weights, cfg.compute or "fp32"
+    if compute == "bf16":
+        unit = native.load().bf16_unit()
+        log.info("linear layers compute in bf16 on %s (%s)", unit, BF16_UNITS[unit])
     paths: list = []
     try:
         if fuse:
-            paths.append(cpu_layers.FusedLayers(model, quantized=quantized, screen=cfg.lm_head_screen).__enter__())
+            paths.append(cpu_layers.FusedLayers(model, quantized=quantized, screen=cfg.lm_head_screen,
+                                                compute=compute).__enter__())
         if pack:
             skip = paths[0].linears if fuse else frozenset()
-            paths.append(cpu_linear.PackedLinears(model, skip=skip, widen=cfg.batch_invariant, quantized=quantized).__enter__())
+            paths.append(cpu_linear.PackedLinears(model, skip=skip, widen=cfg.batch_invariant, quantized=quantized,
+                                                  compute=compute).__enter__())
     except BaseException:
         for path in reversed(paths):
             path.__exit__(None, None, None)
         raise
     return paths
+
+
+BF16_UNITS = {"amx": "AMX-BF16 tiles", "avx512-bf16": "AVX512-BF16's vdpbf16ps",
+              "portable": "plain C++: this CPU has neither AMX-BF16 nor AVX512-BF16, or its OS does not allow them"}
+"""The units bf16 compute runs on (`bf16_unit` in `kernels/cpu_bf16.h`), in words."""
+
+
+def check_compute(cfg: EngineConfig, model) -> None:
+    """A `ValueError` saying why `EngineConfig.compute="bf16"` cannot serve `model`, if it cannot."""
+    if cfg.compute != "bf16":
+        return
+    pack, _ = cpu_paths(cfg, model)
+    param = next(model.parameters())
+    why = None
+    if param.device.type != "cpu":
+        why = f"it is implemented on CPU only (the model is on {param.device.type})"
+    elif not native.available():
+        why = "jitney's C++ kernels do not build here"
+    elif not pack:
+        why = "pack_cpu_weights=False leaves the linear layers to torch"
+    elif cfg.weights in ("int8", "w8a8"):
+        why = f"it computes over bf16 weights, not weights={cfg.weights!r}"
+    if why:
+        raise ValueError(f"EngineConfig.compute='bf16': {why}")
 
 
 def check_weights(cfg: EngineConfig, model) -> None:

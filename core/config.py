@@ -118,6 +118,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     to bfloat16 (half the bytes; rows and sums fp32, so tokens are `generate`'s over the rounded weights, and
     fp32's exactly for a checkpoint published in bf16); speculation stays on (its draft is int8)."""
 
+    compute: Literal["fp32", "bf16"] | None = None
+    """What the CPU's linear layers compute in. `"fp32"`: fp32 rows times fp32 weights (or a bf16 / fp16 model's own
+    weights, widened exactly). `"bf16"`: every linear layer but the LM head rounds its weights and its rows to
+    bfloat16 (to nearest even) and sums their products in fp32, on the CPU's matrix units where it has them (AMX
+    tiles, else AVX512-BF16; plain C++ elsewhere, slowly): the layers' outputs, the residual stream, attention and
+    the KV cache stay fp32, as does the head (so the LM head's screen still serves). Which unit runs is chosen at
+    start-up from what the CPU reports and the OS allows, and logged. Tokens are not fp32's: they part from them at
+    near-ties (perplexity and agreement in docs/benchmarks.md); a row's outputs do not depend on its batch. Layers
+    whose input width is not a multiple of 32 keep fp32 rows. Needs the model on CPU and jitney's C++ kernels, not
+    int8 `weights`; a `ValueError` at start-up otherwise. `None`: fp32."""
+
     kv_cache_dtype: Literal["bf16", "int8"] | None = None
     """`None`: the KV cache holds keys and values as the model computes them (fp32 for an fp32 model, and for a bf16
     or fp16 model on the one-call decoder). `"bf16"`: rounded to bfloat16 as they are written (to nearest even): half

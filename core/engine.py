@@ -68,6 +68,7 @@ class Engine:
         backend = registry(self.plugins, "attention backend").create(backend_name, param.device)
         backend = assembly.invariant_backend(config, backend, backend_name, param.device)
         assembly.check_weights(config, model)
+        assembly.check_compute(config, model)
         eviction = registry(self.plugins, "eviction policy").create(config.eviction, config)
         computed = torch.float32 if half else param.dtype
         kv_dtype = assembly.kv_cache_dtype(config, backend, backend_name, computed)
@@ -127,10 +128,11 @@ class Engine:
         if check:  # the model's own logits, before anything of jitney's is bound to it
             sequences = selfcheck.probe_tokens(self.vocab_size)
             reference = await self._started_on_forward_thread(selfcheck.reference_logits, self.model, sequences,
-                                                              self.config.weights, self.config.kv_cache_dtype)
+                                                              self.config.weights, self.config.kv_cache_dtype,
+                                                              self.config.compute)
             # without the format's rounding too, so that a refusal can tell the format's effect from jitney's
             own = (await self._started_on_forward_thread(selfcheck.reference_logits, self.model, sequences)
-                   if self.config.weights or self.config.kv_cache_dtype else None)
+                   if selfcheck.format_of(self.config) else None)
         self._saved_attn = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_NAME)
         self._attn_bound = True

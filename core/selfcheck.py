@@ -36,13 +36,16 @@ def probe_tokens(vocab_size: int) -> list[list[int]]:
 
 
 def reference_logits(model, sequences: list[list[int]], weights: str | None = None,
-                     kv_cache_dtype: str | None = None) -> list[torch.Tensor]:
+                     kv_cache_dtype: str | None = None, compute: str | None = None) -> list[torch.Tensor]:
     """The model's own logits (its own attention, before the engine binds it) at each probe's last prompt token
     and at its decoded token; `weights` (`EngineConfig.weights`): with each fp32 linear's weight (and for "w8a8"
-    its input) rounded as the served path rounds them (`cpu_linear.QuantizedReference`); `kv_cache_dtype`
-    (`EngineConfig`'s): with its keys and values rounded as the cache holds them (`RoundedKV`)."""
+    its input) rounded as the served path rounds them (`cpu_linear.QuantizedReference`); `compute="bf16"`
+    (`EngineConfig`'s): each fp32 linear but the head with its weight and its input rounded to bf16 (the same);
+    `kv_cache_dtype` (`EngineConfig`'s): with its keys and values rounded as the cache holds them (`RoundedKV`)."""
     rows = []
-    rounded = cpu_linear.QuantizedReference(model, weights) if weights else contextlib.nullcontext()
+    bf16 = compute == "bf16"
+    rounded = (cpu_linear.QuantizedReference(model, weights, compute=compute or "fp32") if weights or bf16
+               else contextlib.nullcontext())
     kv = RoundedKV(model, KV_CACHE_DTYPES[kv_cache_dtype]) if kv_cache_dtype else contextlib.nullcontext()
     with rounded, kv, torch.inference_mode():
         for seq in sequences:
@@ -105,6 +108,8 @@ def tolerance(engine: Engine) -> float:
     over the kernels' instruction-set levels and tunings (docs/reliability.md, `python -m jitney.bench.levels`)."""
     half = next(engine.model.parameters()).dtype != torch.float32
     cache = engine.cache.keys[0].dtype
+    if engine.config.compute == "bf16" and not half:  # each linear rounds its rows: 0.69-0.77%, bf16 cache 0.67-1.3%
+        return 2e-2 if cache == torch.float32 else 3e-2
     if engine.config.weights == "w8a8":  # int8 activations: 2.6-5.6% measured; over a bf16 cache 3.2-5.2%
         return 1e-1 if cache == torch.float32 else 1.5e-1
     if cache == torch.int8:  # int8 K/V: 1.0-2.0%
@@ -121,11 +126,13 @@ def logit_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.to(b.device) - b).abs().max().item() / max(1.0, b.abs().max().item())
 
 
-def _format(engine: Engine) -> str | None:
-    """The rounding the served path computes in beyond the model's own precision, in words (None: none)."""
-    parts = [f"{engine.config.weights} weights"] if engine.config.weights else []
-    if engine.config.kv_cache_dtype:
-        parts.append(f"a {engine.config.kv_cache_dtype} KV cache")
+def format_of(config) -> str | None:
+    """The rounding an engine of `config` computes in beyond the model's own precision, in words (None: none)."""
+    parts = [f"{config.weights} weights"] if config.weights else []
+    if config.compute == "bf16":
+        parts.append("bf16 compute")
+    if config.kv_cache_dtype:
+        parts.append(f"a {config.kv_cache_dtype} KV cache")
     return " and ".join(parts) or None
 
 
@@ -167,7 +174,7 @@ def check(engine: Engine, reference: list[torch.Tensor], sequences: list[list[in
 def _cause(engine: Engine, err: float, row: int, own: list[torch.Tensor] | None, reference: list[torch.Tensor]) -> str:
     """The likely cause of a refusal, in words: the served format's rounding where the model's logits move about as
     much under it alone, else what jitney computes differently."""
-    fmt = _format(engine)
+    fmt = format_of(engine.config)
     dtype = next(engine.model.parameters()).dtype
     if fmt and own is not None:
         effect = logit_error(reference[row], own[row])  # what the format's rounding alone does to this row

@@ -833,6 +833,7 @@ struct Panels {
   const uint8_t* a8 = nullptr;  // set instead of `p` for `pack_panels_w8a8` weights (int8 activations too)
   const uint16_t* h = nullptr;  // set instead of `p` for bf16 weights (`pack_panels` over bfloat16 blocks)
   const at::Half* f16 = nullptr;  // likewise for fp16 weights
+  const uint16_t* vn = nullptr;  // set instead of `p` for bf16 compute (`vnni_panels` weights, cpu_bf16.h)
   bool gated = false;  // `pack_panels_gated` weights: the output is act(gate) * up, n / 2 features
   int64_t act = 0;  // the gate's activation (`Activation`)
 };
@@ -1576,11 +1577,14 @@ static inline void add_tile(float* y, const float* a, int64_t rows, int64_t cols
 // `add` ([M, N] like y), where given, is added to each tile as soon as it is stored (a decoder layer's residual,
 // without a pass of its own: a 20-decode + 236-token step of SmolLM2 184 -> 178-182 ms, the same process
 // alternating); not with gated weights.
+#include "cpu_bf16.h"
+
 template <typename W>
 static void panel_rows_of(const float* xp, int64_t m, const Panels& w, const W* pp, float* yp, bool small, const float* add);
 
 static void panel_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small, const float* add = nullptr) {
   TORCH_CHECK(!(add && w.gated), "panel_rows: no residual with gated weights");
+  if (w.vn) return vnni_rows(xp, m, w, yp, small, add);
   if (w.q || w.a8) {
     if (w.q) qpanel_rows(xp, m, w, yp, small);
     else a8_rows(xp, m, w, yp, small);
@@ -1763,6 +1767,12 @@ static Panels panels_of(const torch::Tensor& packed, int64_t n, const torch::Ten
     TORCH_CHECK(packed.is_contiguous() && packed.dim() == 2 && packed.size(0) * PANEL >= n && packed.size(1) % PANEL == 0 &&
                 packed.size(1) > PANEL * 4, "panel_linear: int8 weights from pack_panels_int8");
     w = Panels{nullptr, nullptr, n, (packed.size(1) - PANEL * 4) / PANEL, packed.data_ptr<int8_t>()};
+  } else if (packed.dim() == 4) {  // `vnni_panels`
+    TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 && packed.size(2) == PANEL &&
+                packed.size(3) == 2 && packed.size(0) * PANEL >= n && packed.size(1) * 2 % BF16_BLOCK == 0,
+                "panel_linear: bf16 compute's weights from vnni_panels");
+    w = Panels{nullptr, nullptr, n, packed.size(1) * 2};
+    w.vn = data_of<uint16_t>(packed);
   } else {
     const auto dtype = packed.scalar_type();
     TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(2) == PANEL && packed.size(0) * PANEL >= n &&
@@ -2832,6 +2842,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels_gated", &pack_panels_gated);
   m.def("pack_panels_int8", &pack_panels_int8);
   m.def("pack_panels_w8a8", &pack_panels_w8a8);
+  m.def("vnni_panels", &vnni_panels);
+  m.def("bf16_unit", &bf16_unit, py::arg("set") = py::none());
   m.def("panel_linear", &panel_linear, py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("b"), py::arg("gated") = false,
         py::arg("act") = 0, nogil);
   m.def("rms_norm", &rms_norm, nogil);

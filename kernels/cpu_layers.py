@@ -184,11 +184,13 @@ def supported(layer: nn.Module) -> bool:
 class FusedLayers:
     """While entered, every supported decoder layer of `model` runs fused (see the module's docstring);
     `quantized`: over int8 or bf16 copies of the weights ("int8", "w8a8" or "bf16", `cpu_linear.PanelLinear`);
-    `screen`: greedy steps through the LM head's screen where it can (`FusedDecoder.screened`)."""
+    `screen`: greedy steps through the LM head's screen where it can (`FusedDecoder.screened`); `compute="bf16"`:
+    the layers' linears (not the LM head) compute in bf16 (`cpu_linear.PanelLinear(compute=...)`)."""
 
-    def __init__(self, model: nn.Module, quantized: str | None = None, screen: bool = True):
+    def __init__(self, model: nn.Module, quantized: str | None = None, screen: bool = True, compute: str = "fp32"):
         self.model = model
         self.quantized = quantized
+        self.compute = compute
         self.screen = screen
         self.patched: list[nn.Module] = []
         self.linears: set[nn.Linear] = set()
@@ -204,7 +206,7 @@ class FusedLayers:
         packs = {}
         for layer in self.model.modules():
             if supported(layer):
-                packs[layer] = _LayerLinears(layer, self.quantized)
+                packs[layer] = _LayerLinears(layer, self.quantized, self.compute)
                 layer.forward = _fused_forward(layer, packs[layer], kernels)
                 self.patched.append(layer)
                 self.linears.update(m for group in _groups(layer) for m in group)
@@ -444,29 +446,30 @@ def _stacked_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
     return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]).float()
 
 
-def _stacked(linears: list[nn.Linear], quantized: str | None = None) -> cpu_linear.PanelLinear:
+def _stacked(linears: list[nn.Linear], quantized: str | None = None, compute: str = "fp32") -> cpu_linear.PanelLinear:
     """One packed linear over several that share an input (their weights stay as they are)."""
-    return cpu_linear.PanelLinear([m.weight.detach() for m in linears], _stacked_bias(linears), quantized=quantized)
+    return cpu_linear.PanelLinear([m.weight.detach() for m in linears], _stacked_bias(linears), quantized=quantized,
+                                  compute=compute)
 
 
 class _LayerLinears:
     """A decoder layer's four packed linears: q/k/v stacked, o, gate/up (gated: the activation times up in the
     same pass, where the MLP's width is a multiple of 16 and the weights not int8; else stacked) and down."""
 
-    def __init__(self, layer: nn.Module, quantized: str | None = None):
+    def __init__(self, layer: nn.Module, quantized: str | None = None, compute: str = "fp32"):
         qkv, o, gate_up, down = _groups(layer)
-        self.qkv = _stacked(qkv, quantized)
-        self.o = _stacked(o, quantized)
+        self.qkv = _stacked(qkv, quantized, compute)
+        self.o = _stacked(o, quantized, compute)
         self.activation = _activation(layer)
         width = sum(m.out_features for m in gate_up) // 2  # the MLP's
         if width % 16 == 0 and quantized in (None, "bf16"):
             weights = [m.weight.detach() for m in gate_up]
             gate_and_up = weights if len(weights) == 2 else list(weights[0].split(width))  # (one linear: its halves)
             self.gate_up = cpu_linear.PanelLinear(gate_and_up, _stacked_bias(gate_up), gated=True, quantized=quantized,
-                                                  activation=self.activation)
+                                                  activation=self.activation, compute=compute)
         else:
-            self.gate_up = _stacked(gate_up, quantized)
-        self.down = _stacked(down, quantized)
+            self.gate_up = _stacked(gate_up, quantized, compute)
+        self.down = _stacked(down, quantized, compute)
 
 
 def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):

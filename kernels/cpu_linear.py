@@ -35,28 +35,40 @@ class PackedLinears:
     sums every row the same way.
 
     `quantized` (`EngineConfig.weights`: "int8", "w8a8" or "bf16"): the fp32 linears through int8 (bf16) copies of
-    their weights (`PanelLinear(quantized=...)`)."""
+    their weights (`PanelLinear(quantized=...)`).
+
+    `compute="bf16"` (`EngineConfig.compute`): every linear but the LM head (fp32, bf16 and fp16 ones) computes in
+    bf16 (`PanelLinear(compute="bf16")`; a half-precision one's rows cast to fp32 and its outputs back); the head
+    as without."""
 
     def __init__(self, model: nn.Module, skip: set[nn.Module] | frozenset = frozenset(), widen: bool = False,
-                 quantized: str | None = None):
+                 quantized: str | None = None, compute: str = "fp32"):
         self.model = model
         self.skip = skip
         self.widen = widen
         self.quantized = quantized
+        self.compute = compute
         self.patched: list[nn.Linear] = []
 
     def __enter__(self) -> "PackedLinears":
-        kinds = (torch.float32, torch.bfloat16, torch.float16) if self.widen else (torch.float32,)
+        kinds = (torch.float32, torch.bfloat16, torch.float16) if self.widen or self.compute == "bf16" else (torch.float32,)
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         for module in self.model.modules():
             w = module.weight if isinstance(module, nn.Linear) else None
             if w is None or w.dtype not in kinds or w.device.type != "cpu" or module in self.skip:
                 continue
-            if w.dtype == torch.float32 and self.quantized:
+            bias = None if module.bias is None else module.bias.detach().float()
+            if self.compute == "bf16" and module is not head:
+                linear = PanelLinear([w.detach()], bias, compute="bf16")
+                module.forward = linear if w.dtype == torch.float32 else _widened(linear)
+            elif w.dtype not in (torch.float32,) + ((torch.bfloat16, torch.float16) if self.widen else ()):
+                continue  # (a half-precision head under bf16 compute: torch's, as without)
+            elif w.dtype == torch.float32 and self.quantized:
                 module.forward = PanelLinear([w.detach()], module.bias, quantized=self.quantized)
             elif w.dtype == torch.float32:
                 module.forward = packed_linear([w.detach()], module.bias)
             else:
-                module.forward = _widened(PanelLinear([w.detach().float()], None if module.bias is None else module.bias.float()))
+                module.forward = _widened(PanelLinear([w.detach().float()], bias))
             self.patched.append(module)
         return self
 
@@ -65,6 +77,9 @@ class PackedLinears:
             del module.forward  # back to nn.Linear.forward
         self.patched = []
 
+
+COMPUTE = ("fp32", "bf16")
+"""What a linear layer's rows may compute in (`EngineConfig.compute`)."""
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 """A gated MLP's activations the kernels compute, by the codes of `Activation` in `cpu_kernels.cpp`."""
@@ -82,12 +97,20 @@ class PanelLinear:
     are rounded to int8 too, each block of 32 inputs on its own scale (`int8_activations`), their products summed
     exactly in int32 a block at a time (AVX-512 VNNI), the blocks' sums in fp32; input widths a multiple of 32.
     int8 not with `gated`. "bf16": each weight rounded to bfloat16 (to nearest, ties to even), half the bytes,
-    widened back to fp32 as the kernel loads it: the same sums as fp32 over the rounded weights (`rounded`)."""
+    widened back to fp32 as the kernel loads it: the same sums as fp32 over the rounded weights (`rounded`).
+    `compute="bf16"` (`EngineConfig.compute`): the weights rounded to bf16 as "bf16" rounds them, and each row too
+    as it enters, their products summed in fp32 on the CPU's matrix units (AMX tiles, else AVX512-BF16, else
+    plain C++: `vnni_panels` in `cpu_bf16.h`); fp32 outputs. Where the input width is not a multiple of 32, rows
+    stay fp32 over the bf16 weights. Not with int8 weights."""
 
     def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, gated: bool = False,
-                 quantized: str | None = None, activation: str = "silu"):
+                 quantized: str | None = None, activation: str = "silu", compute: str = "fp32"):
         if quantized not in (None, "int8", "w8a8", "bf16"):
             raise ValueError(f"PanelLinear: quantized is None, 'int8', 'w8a8' or 'bf16', not {quantized!r}")
+        if compute not in COMPUTE:
+            raise ValueError(f"PanelLinear: compute is one of {COMPUTE}, not {compute!r}")
+        if compute == "bf16" and quantized in ("int8", "w8a8"):
+            raise ValueError("PanelLinear: bf16 compute is over bf16 weights, not int8 ones")
         if gated and quantized in ("int8", "w8a8"):
             raise ValueError("PanelLinear: int8 weights are not packed gated (stack gate and up instead)")
         if activation not in ACTIVATIONS:
@@ -95,12 +118,16 @@ class PanelLinear:
         kernels = native.load()
         self.gated = gated
         self.act = ACTIVATIONS[activation]
-        if quantized == "bf16":
+        if quantized == "bf16" or compute == "bf16":
             weights = [w.detach().to(torch.bfloat16) for w in weights]
         if quantized in ("int8", "w8a8"):
             self.packed = pack_int8(weights, activations=quantized == "w8a8")
         else:
             self.packed = kernels.pack_panels_gated(*weights) if gated else kernels.pack_panels(weights)
+        self.compute = "bf16" if compute == "bf16" and weights[0].shape[1] % 32 == 0 else "fp32"
+        """What the rows compute in."""
+        if self.compute == "bf16":
+            self.packed = kernels.vnni_panels(self.packed)
         self.width = sum(w.shape[0] for w in weights)  # the kernel's outputs before gating
         self.out_features = self.width // 2 if gated else self.width
         if bias is not None and gated:  # in the panels' order: gate's 16 features, then up's 16, ...
@@ -169,18 +196,31 @@ class QuantizedReference:
     """While entered, every fp32 `nn.Linear` of `model` computes through `F.linear` with its weight as the
     `weights` path ("int8", "w8a8" or "bf16") rounds it (`rounded`; "w8a8": its input rounded too,
     `int8_activations`): torch's reference for `EngineConfig.weights` (the start-up check's, the tests').
-    Forwards are patched, not weights (a tied embedding shares the LM head's weight)."""
+    `compute="bf16"`: every one but the LM head with its weight and its input rounded to bf16 (`PanelLinear`'s
+    bf16 compute; `weights` None or "bf16"). Forwards are patched, not weights (a tied embedding shares the LM
+    head's weight)."""
 
-    def __init__(self, model: nn.Module, weights: str):
+    def __init__(self, model: nn.Module, weights: str | None, compute: str = "fp32"):
         self.model = model
         self.weights = weights
+        self.compute = compute
         self.patched: list[nn.Linear] = []
 
     def __enter__(self) -> "QuantizedReference":
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         for m in self.model.modules():
             if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32:  # (what `PackedLinears` packs)
-                linear = functools.partial(F.linear, weight=rounded(m.weight.detach(), self.weights), bias=m.bias)
-                m.forward = (lambda x, f=linear: f(int8_activations(x))) if self.weights == "w8a8" else linear
+                bf16 = self.compute == "bf16" and m is not head
+                weights = "bf16" if bf16 else self.weights
+                if weights is None:
+                    continue
+                linear = functools.partial(F.linear, weight=rounded(m.weight.detach(), weights), bias=m.bias)
+                if self.weights == "w8a8":
+                    m.forward = lambda x, f=linear: f(int8_activations(x))
+                elif bf16 and m.in_features % 32 == 0:  # (else fp32 rows, as `PanelLinear`)
+                    m.forward = lambda x, f=linear: f(x.to(torch.bfloat16).float())
+                else:
+                    m.forward = linear
                 self.patched.append(m)
         return self
 

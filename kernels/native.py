@@ -58,6 +58,8 @@ BUILD_WAIT_S = 300.0
 """Seconds a process waits for another one's build of the kernels (about a minute) before it uses torch's."""
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)
+"""Files the source includes, copied beside it for the build."""
 # Neither flag changes a value: no errno to set lets sqrt inline, no traps lets loops with branches vectorise.
 _CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 _LDFLAGS = ("-fopenmp",)
@@ -152,7 +154,7 @@ def build_dir() -> Path:
     from jitney.core.models import cache_dir
 
     what = [
-        hashlib.sha256(_SOURCE.read_bytes()).hexdigest(),
+        *(hashlib.sha256(f.read_bytes()).hexdigest() for f in (_SOURCE, *_HEADERS)),
         torch.__version__,  # with its variant (+cpu, +cu121...)
         str(torch.version.cuda),
         str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")),
@@ -177,10 +179,11 @@ def _build(build: Path):
         # Compiled from a copy inside the folder: the folder is named by the source's content, and torch's
         # loader rebuilds whenever the command changes, so two checkouts of the same source would otherwise
         # rebuild each other's kernels at every start (their paths differ).
+        for file in (*_HEADERS, _SOURCE):
+            copy, text = build / file.name, file.read_bytes()
+            if not copy.exists() or copy.read_bytes() != text:
+                copy.write_bytes(text)
         source = build / _SOURCE.name
-        text = _SOURCE.read_bytes()
-        if not source.exists() or source.read_bytes() != text:
-            source.write_bytes(text)
         # lists of their own: torch's loader appends its libraries to the flags it is given
         return load("jitney_cpu", sources=[str(source)], build_directory=str(build),
                     extra_cflags=list(_flags()), extra_ldflags=list(_LDFLAGS))

@@ -118,6 +118,15 @@ async def test_logits_alone_and_in_a_crowd_are_bit_identical(backend, dtype, inv
     assert_same(alone, await serve(model, cfg, crowd(), 3))  # the targets join a crowd that decodes
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+async def test_bf16_compute_logits_alone_and_in_a_crowd_are_bit_identical(dtype):
+    model = tiny_llama().to(dtype)
+    cfg = config(None, False, compute="bf16")  # (each row through the matrix units on its own)
+    alone = await serve(model, cfg, [], 0)
+    assert_same(alone, await serve(model, cfg, crowd(), 0))
+    assert_same(alone, await serve(model, cfg, crowd(), 3))
+
+
 async def test_default_cpu_path_with_speculation_keeps_tokens_alone_and_in_a_crowd():
     model = tiny_llama()
     cfg = EngineConfig(max_batch_tokens=16, block_size=4, num_blocks=400)  # speculative decoding on (greedy rows)

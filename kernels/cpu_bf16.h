@@ -1,0 +1,267 @@
+// bf16 compute (`EngineConfig.compute="bf16"`): a linear layer's rows rounded to bfloat16 (to nearest even), times
+// bf16 weights, each output summed in fp32; fp32 outputs (the bias, a gated MLP's activation and the residual added
+// in fp32 as `panel_rows` adds them). Included by cpu_kernels.cpp, after `Panels`, `parallel` and `gate_times_up`.
+//
+// Weights: `vnni_panels` re-lays `pack_panels` (or `pack_panels_gated`) bf16 panels as [P, K / 2, 16, 2], K the
+// input width (a multiple of 32): within a panel each pair of inputs holds its 16 output features' two weights
+// side by side, the layout of an AMX tile's second operand and of `vdpbf16ps`'s (which multiply pairs).
+//
+// Which unit computes is chosen when the kernels load, from what the CPU reports (CPUID) and what the OS allows
+// (Linux grants a process AMX's tile state on request), not from what the compiler targeted; `bf16_unit(...)`
+// forces a lesser one (the tests compare them):
+// - "amx": AMX-BF16 tiles, 32 rows x 32 outputs (two panels) a tile step of 32 inputs.
+// - "avx512-bf16": `vdpbf16ps`, one row at a time over two panels.
+// - "portable": plain C++ over the same layout (any CPU; slow, for correctness where neither is there).
+// Every unit computes each row alone, its inputs in order (a pair at a time; within a pair, or a tile's step, in the
+// unit's own order), so a row's outputs do not depend on the other rows of its batch; the units agree to float
+// rounding (the products are exact in fp32: a bf16 value has 8 significant bits).
+
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#define BF16_X86 1  // the AVX512-BF16 and AMX units (target attributes; the OS's permission asked for as Linux asks)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#else
+#define BF16_X86 0
+#endif
+
+constexpr int64_t BF16_BLOCK = 32;  // inputs a tile step (K a multiple of it)
+
+enum Bf16Unit : int64_t { BF16_PORTABLE = 0, BF16_AVX512 = 1, BF16_AMX = 2 };
+
+static inline uint16_t bf16_of(float x) {  // to nearest even, as torch rounds (a NaN stays a NaN)
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+}
+
+static inline float float_of_bf16(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+// The best unit this CPU and OS offer.
+static Bf16Unit best_bf16_unit() {
+#if BF16_X86
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return BF16_PORTABLE;
+  const bool avx512 = (b & (1u << 16)) && (b & (1u << 30));  // AVX512F, AVX512BW
+  const bool amx = (d & (1u << 24)) && (d & (1u << 22));  // AMX-TILE, AMX-BF16
+  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+  const bool avx512_bf16 = avx512 && __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && (a1 & (1u << 5));
+  unsigned a2 = 0, b2 = 0, c2 = 0, d2 = 0, lo = 0, hi = 0;
+  const bool osxsave = __get_cpuid(1, &a2, &b2, &c2, &d2) && (c2 & (1u << 27));  // (leaf 1's, not leaf 7's bit 27)
+  if (osxsave) __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));  // the OS's enabled state
+  const bool zmm = (lo & 0xe6u) == 0xe6u;  // the OS saves the 512-bit registers
+  if (amx && avx512 && zmm) {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0) return BF16_AMX;
+  }
+  if (avx512_bf16 && zmm) return BF16_AVX512;
+#endif
+  return BF16_PORTABLE;
+}
+
+static const Bf16Unit bf16_best = best_bf16_unit();
+static std::atomic<int64_t> bf16_chosen{bf16_best};
+
+// Rows x [M, K] rounded to bf16 into a [M, K].
+static void bf16_rows(const float* x, int64_t m, int64_t k, uint16_t* a, bool small) {
+  parallel(m * k, 16384, small, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) a[i] = bf16_of(x[i]);
+  });
+}
+
+// One or two panels (b1 null: one) times `rows` rows of a: c [rows, 32] (the second panel's outputs in columns
+// 16-31), each output's sum over the KP inputs.
+static void portable_pair(const uint16_t* a, int64_t k, int64_t rows, const uint16_t* b0, const uint16_t* b1, float* c) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int which = 0; which < (b1 ? 2 : 1); ++which) {
+      const uint16_t* b = which ? b1 : b0;
+      float acc[PANEL] = {};
+      for (int64_t i = 0; i < k / 2; ++i) {
+        const float a0 = float_of_bf16(a[r * k + 2 * i]), a1 = float_of_bf16(a[r * k + 2 * i + 1]);
+        for (int64_t j = 0; j < PANEL; ++j)
+          acc[j] = acc[j] + a0 * float_of_bf16(b[i * 2 * PANEL + 2 * j]) + a1 * float_of_bf16(b[i * 2 * PANEL + 2 * j + 1]);
+      }
+      std::memcpy(c + r * 2 * PANEL + which * PANEL, acc, sizeof acc);
+    }
+}
+
+#if BF16_X86
+#define BF16_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define BF16_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+// `portable_pair` through `vdpbf16ps` for up to ROWS rows: each row's pair of inputs broadcast against the
+// panels' 16 pairs, each panel's pairs loaded once for all the rows.
+template <int ROWS>
+BF16_AVX512_TARGET static void avx512_tile(const uint16_t* a, int64_t k, int64_t rows, const uint16_t* b0,
+                                           const uint16_t* b1, float* c) {
+  __m512 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k / 2; ++i) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b0 + i * 2 * PANEL);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512((b1 ? b1 : b0) + i * 2 * PANEL);
+    for (int r = 0; r < ROWS; ++r) {
+      if (r >= rows) break;
+      int32_t pair;
+      std::memcpy(&pair, a + r * k + 2 * i, 4);
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, w1);  // (b1 null: discarded)
+    }
+  }
+  for (int r = 0; r < ROWS && r < rows; ++r) {
+    _mm512_storeu_ps(c + r * 2 * PANEL, acc[r][0]);
+    _mm512_storeu_ps(c + r * 2 * PANEL + PANEL, acc[r][1]);
+  }
+}
+
+BF16_AVX512_TARGET static void avx512_pair(const uint16_t* a, int64_t k, int64_t rows, const uint16_t* b0,
+                                           const uint16_t* b1, float* c) {
+  constexpr int ROWS = 8;  // 16 accumulators
+  for (int64_t r = 0; r < rows; r += ROWS)
+    avx512_tile<ROWS>(a + r * k, k, std::min<int64_t>(ROWS, rows - r), b0, b1, c + r * 2 * PANEL);
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes: 0-3 the sums (rows 0-15 / 16-31 x panel 0 / 1), 4-5 rows of a, 6-7 panels.
+BF16_AMX_TARGET static void amx_configure() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  // (not `_tile_loadconfig`: GCC 12's tells the compiler it reads the first 8 bytes only, so the stores of the
+  // rest may be dropped, the tiles left unconfigured, and the first tile instruction faults)
+  __asm__ volatile("ldtilecfg %0" : : "m"(config) : "memory");
+}
+
+// `portable_pair` through AMX tiles, rows 16 or 32 (a holds them, zeros past the batch's rows), 32 inputs a step.
+template <bool ROWS32, bool TWO>
+BF16_AMX_TARGET static void amx_pair(const uint16_t* a, int64_t k, const uint16_t* b0, const uint16_t* b1, float* c) {
+  _tile_zero(0);
+  if (TWO) _tile_zero(1);
+  if (ROWS32) _tile_zero(2);
+  if (ROWS32 && TWO) _tile_zero(3);
+  const int64_t lda = k * 2;
+  for (int64_t kb = 0; kb < k; kb += BF16_BLOCK) {
+    _tile_loadd(4, a + kb, lda);
+    _tile_loadd(6, b0 + kb * PANEL, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (TWO) {
+      _tile_loadd(7, b1 + kb * PANEL, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (ROWS32) {
+      _tile_loadd(5, a + 16 * k + kb, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      if (TWO) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 2 * PANEL * 4);
+  if (TWO) _tile_stored(1, c + PANEL, 2 * PANEL * 4);
+  if (ROWS32) _tile_stored(2, c + 16 * 2 * PANEL, 2 * PANEL * 4);
+  if (ROWS32 && TWO) _tile_stored(3, c + 16 * 2 * PANEL + PANEL, 2 * PANEL * 4);
+}
+
+BF16_AMX_TARGET static void amx_release() { _tile_release(); }
+#endif
+
+// One unit of `vnni_rows`: rows [r, r + rows) (rows <= 32) of a through panels p and p + 1 (b1 null: p alone) into c.
+static void bf16_pair(int64_t unit, const uint16_t* a, int64_t k, int64_t rows, const uint16_t* b0, const uint16_t* b1,
+                      float* c) {
+#if BF16_X86
+  if (unit == BF16_AMX) {
+    const int64_t tiles = (rows + 15) / 16;
+    if (tiles == 2 && b1) amx_pair<true, true>(a, k, b0, b1, c);
+    else if (tiles == 2) amx_pair<true, false>(a, k, b0, b1, c);
+    else if (b1) amx_pair<false, true>(a, k, b0, b1, c);
+    else amx_pair<false, false>(a, k, b0, b1, c);
+    return;
+  }
+  if (unit == BF16_AVX512) return avx512_pair(a, k, rows, b0, b1, c);
+#endif
+  portable_pair(a, k, rows, b0, b1, c);
+}
+
+// `panel_rows` over `vnni_panels` weights: threads split the pairs of panels (a gated MLP's gate panel and its up
+// panel, or two neighbours); each takes every row, 32 at a time, through the pair.
+static void vnni_rows(const float* xp, int64_t m, const Panels& w, float* yp, bool small, const float* add) {
+  const int64_t k = w.k, n = w.n, ny = w.gated ? n / 2 : n, panels = (n + PANEL - 1) / PANEL;
+  const int64_t mp = (m + 15) / 16 * 16, pairs = (panels + 1) / 2;
+  std::unique_ptr<uint16_t[]> a(new uint16_t[mp * k]);
+  bf16_rows(xp, m, k, a.get(), small);
+  std::fill(a.get() + m * k, a.get() + mp * k, (uint16_t)0);
+  const int64_t unit = bf16_chosen.load(std::memory_order_relaxed);
+  parallel(pairs, 1, small, [&](int64_t begin, int64_t end) {
+#if BF16_X86
+    if (unit == BF16_AMX) amx_configure();
+#endif
+    alignas(64) float c[32 * 2 * PANEL];
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t p = 2 * q;
+      const uint16_t* b0 = w.vn + p * k * PANEL;
+      const uint16_t* b1 = p + 1 < panels ? b0 + k * PANEL : nullptr;
+      for (int64_t r = 0; r < m; r += 32) {
+        const int64_t rows = std::min<int64_t>(32, m - r);
+        bf16_pair(unit, a.get() + r * k, k, rows, b0, b1, c);
+        for (int64_t i = 0; i < rows; ++i) {
+          float* t = c + i * 2 * PANEL;
+          const float* b = w.bias ? w.bias + p * PANEL : nullptr;
+          if (b)
+            for (int64_t j = 0; j < (b1 ? 2 : 1) * PANEL && p * PANEL + j < n; ++j) t[j] += b[j];
+          if (w.gated) {
+            gate_times_up(t, t + PANEL, PANEL, yp + (r + i) * ny + q * PANEL, w.act);
+            continue;
+          }
+          const int64_t cols = std::min<int64_t>(2 * PANEL, n - p * PANEL);
+          float* y = yp + (r + i) * n + p * PANEL;
+          std::memcpy(y, t, cols * sizeof(float));
+          if (add) add_tile(y, add + (r + i) * n + p * PANEL, 1, cols, n);
+        }
+      }
+    }
+#if BF16_X86
+    if (unit == BF16_AMX) amx_release();
+#endif
+  });
+}
+
+// bf16 panels from `pack_panels` / `pack_panels_gated` ([P, K, 16], K a multiple of 32) as `vnni_rows` takes them
+// ([P, K / 2, 16, 2]).
+torch::Tensor vnni_panels(torch::Tensor packed) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.scalar_type() == torch::kBFloat16 &&
+              packed.is_contiguous() && packed.size(1) % BF16_BLOCK == 0,
+              "vnni_panels: bf16 panels from pack_panels, the input width a multiple of 32");
+  const int64_t panels = packed.size(0), k = packed.size(1);
+  auto out = huge_page_tensor({panels, k / 2, PANEL, 2}, torch::kBFloat16);
+  const uint16_t* ip = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < k; ++c)
+        for (int64_t j = 0; j < PANEL; ++j) op[p * k * PANEL + (c / 2) * 2 * PANEL + 2 * j + c % 2] = ip[(p * k + c) * PANEL + j];
+  });
+  return out;
+}
+
+static const char* const BF16_UNITS[] = {"portable", "avx512-bf16", "amx"};
+
+// The unit bf16 compute runs on (by name); `set`: use that one instead (one the CPU offers, or a lesser), returning it.
+std::string bf16_unit(c10::optional<std::string> set) {
+  if (set.has_value()) {
+    int64_t u = -1;
+    for (int64_t i = 0; i < 3; ++i)
+      if (*set == BF16_UNITS[i]) u = i;
+    TORCH_CHECK(u >= 0, "bf16_unit: one of portable, avx512-bf16, amx, not ", *set);
+    TORCH_CHECK(u <= bf16_best, "bf16_unit: this CPU (or its OS) offers ", BF16_UNITS[bf16_best], " at best, not ", *set);
+    bf16_chosen.store(u);
+  }
+  return BF16_UNITS[bf16_chosen.load()];
+}
