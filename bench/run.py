@@ -73,14 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", dest="plot_path", default=None, help="also draw them into this PNG (needs matplotlib)")
 
 
-def matmul_peak_gflops(seconds: float = 2.0) -> float:
+def matmul_peak_gflops(seconds: float = 2.0, compute: str = "fp32") -> float:
     """Best fp32 matmul rate on this machine, on shapes like a decode step's projections: the faster of
     torch's matmul and jitney's own kernel where it builds (on some CPUs torch's library runs at half the
     rate the cores give, and a roofline under what the engine itself reaches would flatter every share).
+    `compute="bf16"`: the rate of bf16 products summed in fp32 (`EngineConfig.compute`), torch's bf16 matmul or
+    jitney's kernel on the unit it chose (`bf16_unit`), the faster.
 
     Measured on a thread that then ends: parallel torch work on the main thread leaves an OpenMP team
     behind, which slowed the engine's forward thread at batch 1 by a third or more in our runs."""
-    return _on_a_thread_that_ends(_matmul_peak, seconds)
+    return _on_a_thread_that_ends(_matmul_peak, seconds, compute)
 
 
 def _on_a_thread_that_ends(fn, *args):
@@ -88,15 +90,22 @@ def _on_a_thread_that_ends(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def _matmul_peak(seconds: float) -> float:
-    from jitney.kernels import native
+def _matmul_peak(seconds: float, compute: str = "fp32") -> float:
+    from jitney.kernels import cpu_linear, native
 
     a, b = torch.randn(256, 576), torch.randn(576, 1536)
-    candidates = [lambda: torch.mm(a, b)]
-    if native.available():
-        kernels = native.load()
-        packed = kernels.pack_panels([b.t().contiguous()])
-        candidates.append(lambda: kernels.panel_linear(a, packed, b.shape[1], None))
+    if compute == "bf16":
+        a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        candidates = [lambda: torch.mm(a16, b16)]
+        if native.available():
+            linear = cpu_linear.PanelLinear([b.t().contiguous()], None, compute="bf16")
+            candidates.append(lambda: linear(a))
+    else:
+        candidates = [lambda: torch.mm(a, b)]
+        if native.available():
+            kernels = native.load()
+            packed = kernels.pack_panels([b.t().contiguous()])
+            candidates.append(lambda: kernels.panel_linear(a, packed, b.shape[1], None))
     best = 0.0
     for mm in candidates:
         end = time.perf_counter() + seconds / len(candidates)
@@ -138,6 +147,11 @@ def linear_weights(model) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
 
 
+def linear_gflop(model, work: Workload) -> float:
+    """The part of `workload_gflop` in the decoder layers' linears (what `EngineConfig.compute` computes in)."""
+    return sum(2 * linear_weights(model) * (len(prompt) + n) for prompt, n in work) / 1e9
+
+
 def workload_gflop(model, work: Workload) -> float:
     """Matmul work of the workload computed from scratch (no prefix reuse): projections for every token,
     attention over each context, the LM head for every sampled token."""
@@ -154,13 +168,14 @@ def workload_gflop(model, work: Workload) -> float:
 
 
 def attainable_seconds(model, shapes: list[list[float]], gflops: float, gbps: float, weights: str | None,
-                       kv_itemsize: float = 4) -> float:
+                       kv_itemsize: float = 4, linear_gflops: float | None = None) -> float:
     """The roofline of the steps a run took (`profile.features` of each): a step takes at least its multiply-adds
     at the matmul peak `gflops`, and at least its reads at the memory read rate `gbps`: every weight once (the
     packed copy's bytes: `weights` "int8" / "w8a8" a quarter of fp32's, "bf16" half; a speculative step's
     draft passes an int8 copy each) and the KV blocks its decode rows read (distinct ones once; `kv_itemsize`
     bytes an element: 2 for a bf16 cache, 68 / 64 for int8 rows of 64 codes and a scale). Summed over steps, the
-    longer of the two each: compute and memory overlapped perfectly, nothing else counted."""
+    longer of the two each: compute and memory overlapped perfectly, nothing else counted. `linear_gflops`: the
+    peak the decoder layers' linears run at where it is not `gflops` (bf16 compute); the draft's as `gflops`."""
     from jitney.bench.profile import FEATURES
 
     mc = model.config.get_text_config()
@@ -176,10 +191,11 @@ def attainable_seconds(model, shapes: list[list[float]], gflops: float, gbps: fl
     total = 0.0
     for shape in shapes:
         f = dict(zip(FEATURES, shape))
-        flop = (2 * linear * (f["query_tokens"] + f["draft_tokens"]) + 2 * head * (f["sampled_rows"] + f["draft_tokens"])
+        flop = (2 * linear * f["draft_tokens"] + 2 * head * (f["sampled_rows"] + f["draft_tokens"])
                 + attention * (1e3 * (f["decode_kv_ktokens"] + f["draft_kv_ktokens"]) + 1e6 * f["prefill_attention_mtokens2"]))
+        seconds = flop / (gflops * 1e9) + 2 * linear * f["query_tokens"] / ((linear_gflops or gflops) * 1e9)
         byte = read + f["draft_passes"] * draft + 1e3 * f["decode_kv_distinct_ktokens"] * kv_bytes
-        total += max(flop / (gflops * 1e9), byte / (gbps * 1e9))
+        total += max(seconds, byte / (gbps * 1e9))
     return total
 
 
@@ -217,6 +233,7 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     # (bytes an element: an int8 row's scale counted in)
     stats.weights, stats.kv_itemsize = config.weights, k0.element_size() * k0.shape[-1] / head_dim
+    stats.compute = config.compute or "fp32"
     arrivals = getattr(args, "arrivals", None)
     out: list[list[int]] = [[] for _ in work]
 
@@ -406,11 +423,17 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
     print(f"workload {args.workload}: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt and "
           f"{out_tokens} output tokens; torch threads {torch.get_num_threads()}; model in {dtype}")
     first_peak = matmul_peak_gflops()
-    gflop = workload_gflop(model, work)
+    gflop, linear = workload_gflop(model, work), linear_gflop(model, work)
     from jitney.kernels import native
 
     print(f"C++ CPU kernels: {native.describe()}")
     print(f"fp32 matmul peak {first_peak:.0f} GFLOP/s; workload {gflop:.0f} GFLOP -> {gflop / first_peak:.1f} s at the roofline")
+    # (the rate bf16 compute's linears can reach, where a mode computes in bf16: its shares read against it)
+    bf16 = "jitney-bf16c" in args.modes.split(",")
+    first_bf16_peak = matmul_peak_gflops(compute="bf16") if bf16 else None
+    unit = native.load().bf16_unit() if bf16 and native.available() else "torch"
+    if bf16:
+        print(f"bf16 matmul peak ({unit}) {first_bf16_peak:.0f} GFLOP/s")
     first_read, weights = read_rate_gbps(), weight_bytes(model)
     print(f"memory read {first_read:.1f} GB/s; weights {weights / 1e6:.0f} MB -> one pass a token allows "
           f"{first_read * 1e9 / weights:.1f} tok/s on one stream")
@@ -447,12 +470,15 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
             if stats.attention_s is not None:  # (draft passes included)
                 row["attention_share"] = round(stats.attention_s / wall, 3)
             row |= {"step_shapes": stats.recorder.shapes, "weights": stats.weights,  # (set by `run_jitney`)
-                    "kv_itemsize": stats.kv_itemsize}
+                    "kv_itemsize": stats.kv_itemsize, "compute": stats.compute}
         rows.append(row)
         print(f"  {label}: {wall:.1f} s (+{startup:.1f} s start-up)", flush=True)
     # This machine's speed drifts: probe again and take the faster reading (the roofline shares err low).
     peak = max(first_peak, matmul_peak_gflops())
     print(f"fp32 matmul peak probed again after the runs: {peak:.0f} GFLOP/s taken (first {first_peak:.0f})")
+    bf16_peak = max(first_bf16_peak, matmul_peak_gflops(compute="bf16")) if bf16 else None
+    if bf16:
+        print(f"bf16 matmul peak ({unit}) probed again: {bf16_peak:.0f} GFLOP/s taken (first {first_bf16_peak:.0f})")
     read = max(first_read, read_rate_gbps())
     weight_limit = read * 1e9 / weights  # tok/s of one stream if every step only read its weights
     print(f"memory read probed again: {read:.1f} GB/s taken (first {first_read:.1f}) -> {weight_limit:.1f} tok/s on one stream")
@@ -460,9 +486,12 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
     first = measured[0]["mode"] if measured else None
     base = outputs.get(first)
     for row in measured:
-        row["roofline_share"] = round(gflop / peak / row["wall_s"], 3)
+        in_bf16 = row.get("compute") == "bf16"  # (its linears against the bf16 peak, the rest fp32's)
+        roofline = gflop / peak + (linear / bf16_peak - linear / peak if in_bf16 else 0.0)
+        row["roofline_share"] = round(roofline / row["wall_s"], 3)
         if row.get("step_shapes"):
-            bound = attainable_seconds(model, row.pop("step_shapes"), peak, read, row.pop("weights"), row.pop("kv_itemsize"))
+            bound = attainable_seconds(model, row.pop("step_shapes"), peak, read, row.pop("weights"), row.pop("kv_itemsize"),
+                                       bf16_peak if in_bf16 else None)
             row["attainable_share"] = round(bound / row["wall_s"], 3)
         if len(work) == 1:  # one stream: bound by reading the weights each token, not by the matmuls
             row["weight_read_share"] = round(row["output_tok_s"] / weight_limit, 3)
@@ -512,6 +541,7 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
             json.dump({"dtype": dtype, "outputs": outputs}, f)
     report = {"workload": args.workload, "requests": len(work), "output_tokens": out_tokens, "dtype": dtype,
               "matmul_peak_gflops": peak, "matmul_peak_first_gflops": first_peak, "workload_gflop": gflop,
+              "bf16_matmul_peak_gflops": bf16_peak, "bf16_unit": unit if bf16 else None,
               "read_gbps": read, "read_first_gbps": first_read, "weight_bytes": weights,
               "weight_read_limit_tok_s": round(weight_limit, 1), "rows": rows}
     if args.json_path:

@@ -86,6 +86,10 @@ def test_the_attainable_bound_is_each_steps_compute_or_its_reads():
     assert attainable_seconds(model, [one], 1e9, 1.0, "int8") < reads  # a quarter of the weights' bytes
     # a bf16 cache: half the KV bytes
     assert attainable_seconds(model, [one], 1e9, 1.0, None, 2) == pytest.approx((weight_bytes(model) + 50 * kv) / 1e9)
+    # bf16 compute: the linears at their own peak, attention at fp32's
+    attention = flop - 2 * linear * 256
+    assert attainable_seconds(model, [many], 1.0, 1e9, None, linear_gflops=4.0) == pytest.approx(
+        (attention + 2 * linear * 256 / 4) / 1e9)
 
 
 def test_bench_runs_jitney_over_a_bf16_or_int8_cache(tmp_path):
@@ -104,6 +108,23 @@ def test_bench_runs_jitney_over_a_bf16_or_int8_cache(tmp_path):
     # every jitney mode over a bf16 cache: jitney's tokens are then jitney-kvbf16's
     assert cli([*bench, "--modes", "jitney-kvbf16,jitney", "--kv-cache-dtype", "bf16"]) == 0
     assert [r["same_tokens_as_first"] for r in json.loads(out.read_text())["rows"]] == [1.0, 1.0]
+
+
+def test_bench_reads_bf16_computes_shares_against_the_bf16_peak(tmp_path):
+    import transformers as T
+    from support import scaled_tiny
+
+    scaled_tiny(T.LlamaConfig, T.LlamaForCausalLM, num_key_value_heads=2).save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "bench.json"
+    assert cli(["bench", "--model", str(tmp_path / "tiny"), "--workload", "mixed-16", "--json", str(out),
+                "--modes", "jitney,jitney-bf16c"]) == 0
+    report = json.loads(out.read_text())
+    plain, bf16 = report["rows"]
+    assert (plain["compute"], bf16["compute"]) == ("fp32", "bf16") and bf16["same_tokens_as_first"] < 1
+    assert report["bf16_matmul_peak_gflops"] > 0 and report["bf16_unit"] in ("portable", "avx512-bf16", "amx")
+    gflop, wall = report["workload_gflop"], bf16["wall_s"]
+    # (its roofline is not the fp32 one: its linears' share of the work is timed at the bf16 peak)
+    assert bf16["roofline_share"] != round(gflop / report["matmul_peak_gflops"] / wall, 3)
 
 
 def test_bench_gives_one_stream_its_share_of_the_weight_read_limit(tmp_path):

@@ -189,3 +189,12 @@ def test_quality_scores_bf16_compute(tmp_path):
     assert [r["weights"] for r in rows] == ["fp32", "bf16c"]
     assert rows[1]["perplexity"] != rows[0]["perplexity"]  # (it computes in bf16: the scores move, a little)
     assert abs(rows[1]["perplexity_vs_first"]) < 0.02 and rows[1]["top1_same_as_first"] > 0.9
+
+
+def test_the_linears_bench_names_the_unit_and_times_each_shape(capsys):
+    from jitney.bench import linears
+
+    assert linears.main(["--shapes", "64x32g,64x48", "--rows", "1,3"]) == 0
+    out = capsys.readouterr().out
+    assert f"bf16 compute on {native.load().bf16_unit()}" in out
+    assert len([line for line in out.splitlines() if line.lstrip().startswith(("64x32g", "64x48"))]) == 4
