@@ -233,7 +233,7 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     # (bytes an element: an int8 row's scale counted in)
     stats.weights, stats.kv_itemsize = config.weights, k0.element_size() * k0.shape[-1] / head_dim
-    stats.compute = config.compute or "fp32"
+    stats.compute = engine.config.compute  # (resolved: a bf16 model's default may be bf16)
     arrivals = getattr(args, "arrivals", None)
     out: list[list[int]] = [[] for _ in work]
 
@@ -429,7 +429,7 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
     print(f"C++ CPU kernels: {native.describe()}")
     print(f"fp32 matmul peak {first_peak:.0f} GFLOP/s; workload {gflop:.0f} GFLOP -> {gflop / first_peak:.1f} s at the roofline")
     # (the rate bf16 compute's linears can reach, where a mode computes in bf16: its shares read against it)
-    bf16 = "jitney-bf16c" in args.modes.split(",")
+    bf16 = "jitney-bf16c" in args.modes.split(",") or dtype == "bfloat16"
     first_bf16_peak = matmul_peak_gflops(compute="bf16") if bf16 else None
     unit = native.load().bf16_unit() if bf16 and native.available() else "torch"
     if bf16:
@@ -486,7 +486,8 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
     first = measured[0]["mode"] if measured else None
     base = outputs.get(first)
     for row in measured:
-        in_bf16 = row.get("compute") == "bf16"  # (its linears against the bf16 peak, the rest fp32's)
+        # (a mode computing in bf16: its linears against the bf16 peak, the rest against fp32's)
+        in_bf16 = row.get("compute") == "bf16" and bf16_peak is not None
         roofline = gflop / peak + (linear / bf16_peak - linear / peak if in_bf16 else 0.0)
         row["roofline_share"] = round(roofline / row["wall_s"], 3)
         if row.get("step_shapes"):

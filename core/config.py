@@ -79,8 +79,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """On CPU, run Llama-like fp32 decoder layers (Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma 1-3, OLMo2, Granite,
     SmolLM3) as a dozen calls each: C++ RMSNorm, rotary and the MLP's activation, one linear each over the q/k/v and
     the gate/up weights stacked (`kernels/cpu_layers.py`), and every step in one C++ call. A bf16 or fp16 model whose
-    every layer is one of these computes there in fp32 over its own weights (and an fp32 KV cache, unless
-    `kv_cache_dtype`) where the default attention backend serves (`core/assembly.half_fused`). `None`: on where the
+    every layer is one of these computes there over its own weights, its rows fp32 or bf16 (`compute`), an fp32 KV
+    cache unless `kv_cache_dtype`, where the default attention backend serves (`core/assembly.half_fused`). `None`: on where the
     weights are packed and the C++ kernels build."""
 
     lm_head_screen: bool = True
@@ -127,7 +127,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     start-up from what the CPU reports and the OS allows, and logged. Tokens are not fp32's: they part from them at
     near-ties (perplexity and agreement in docs/benchmarks.md); a row's outputs do not depend on its batch. Layers
     whose input width is not a multiple of 32 keep fp32 rows. Needs the model on CPU and jitney's C++ kernels, not
-    int8 `weights`; a `ValueError` at start-up otherwise. `None`: fp32."""
+    int8 `weights`; a `ValueError` at start-up otherwise. `None`: "bf16" for a bf16 model on the one-call decoder where
+    the CPU has AMX or AVX512-BF16 (its rows rounded to its own precision: about twice fp32's rate on many rows), else
+    "fp32" (an fp16 model too: its weights would lose three bits); resolved when the engine is built
+    (`assembly.default_compute`), so `engine.config.compute` says which."""
 
     kv_cache_dtype: Literal["bf16", "int8"] | None = None
     """`None`: the KV cache holds keys and values as the model computes them (fp32 for an fp32 model, and for a bf16

@@ -56,6 +56,8 @@ class Engine:
         config = config or EngineConfig()
         if config.chunk_context_cost is None:  # (resolved here, so that every scheduler sees the model's)
             config = msgspec.structs.replace(config, chunk_context_cost=assembly.chunk_context_cost(config, model))
+        if config.compute is None:  # (resolved here, so that the config says what the linears compute in)
+            config = msgspec.structs.replace(config, compute=assembly.default_compute(config, model))
         self.config = config
         self.plugins = make_plugin_manager(plugins)
         self.scheduler = registry(self.plugins, "scheduler").create(config.scheduler, config)
@@ -132,7 +134,7 @@ class Engine:
                                                               self.config.compute)
             # without the format's rounding too, so that a refusal can tell the format's effect from jitney's
             own = (await self._started_on_forward_thread(selfcheck.reference_logits, self.model, sequences)
-                   if selfcheck.format_of(self.config) else None)
+                   if selfcheck.format_of(self.config, next(self.model.parameters()).dtype) else None)
         self._saved_attn = self.model.config._attn_implementation
         self.model.set_attn_implementation(ATTN_NAME)
         self._attn_bound = True

@@ -126,10 +126,11 @@ def logit_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.to(b.device) - b).abs().max().item() / max(1.0, b.abs().max().item())
 
 
-def format_of(config) -> str | None:
-    """The rounding an engine of `config` computes in beyond the model's own precision, in words (None: none)."""
+def format_of(config, dtype: torch.dtype = torch.float32) -> str | None:
+    """The rounding an engine of `config` computes in beyond the precision of a model of `dtype`, in words (None:
+    none). bf16 compute counts for an fp32 model only: a bf16 model's rows are rounded to its own precision."""
     parts = [f"{config.weights} weights"] if config.weights else []
-    if config.compute == "bf16":
+    if config.compute == "bf16" and dtype == torch.float32:
         parts.append("bf16 compute")
     if config.kv_cache_dtype:
         parts.append(f"a {config.kv_cache_dtype} KV cache")
@@ -174,8 +175,8 @@ def check(engine: Engine, reference: list[torch.Tensor], sequences: list[list[in
 def _cause(engine: Engine, err: float, row: int, own: list[torch.Tensor] | None, reference: list[torch.Tensor]) -> str:
     """The likely cause of a refusal, in words: the served format's rounding where the model's logits move about as
     much under it alone, else what jitney computes differently."""
-    fmt = format_of(engine.config)
     dtype = next(engine.model.parameters()).dtype
+    fmt = format_of(engine.config, dtype)
     if fmt and own is not None:
         effect = logit_error(reference[row], own[row])  # what the format's rounding alone does to this row
         compared = f"{fmt} alone move them by {effect:.3g} (torch's reference of the format against the model's own)"
@@ -183,6 +184,8 @@ def _cause(engine: Engine, err: float, row: int, own: list[torch.Tensor] | None,
             return f"likely cause: quantization, this model's logits are that sensitive to it: {compared}; serve it without {fmt}"
         return f"not the quantization alone ({compared}): an attention feature it uses is probably not implemented"
     if dtype != torch.float32:
-        return (f"likely cause: its {str(dtype).removeprefix('torch.')} weights (jitney computes in fp32 over them, the "
-                "model's own forward rounds each layer), or an attention feature it uses is not implemented")
+        how = ("rounds each linear's rows to bf16 and sums in fp32" if engine.config.compute == "bf16"
+               else "computes in fp32 over them")
+        return (f"likely cause: its {str(dtype).removeprefix('torch.')} weights (jitney {how}, the model's own forward "
+                "rounds each layer), or an attention feature it uses is not implemented")
     return "an attention feature it uses is probably not implemented"

@@ -166,6 +166,22 @@ async def test_a_bf16_model_computes_on_the_one_call_decoder_as_its_fp32_copy_wo
     assert await engine_tokens(model, work, compute="bf16", speculative_tokens=0) == rounded
 
 
+async def test_a_bf16_model_computes_in_bf16_by_default_where_the_cpu_has_a_matrix_unit(unit):
+    model = MODELS["llama"]().to(torch.bfloat16)
+    work = random_requests(8, model.config.vocab_size, max_prompt=40, max_new=20, seed=3)
+    bf16 = await engine_tokens(model, work, compute="bf16", speculative_tokens=0)
+    assert bf16 != await engine_tokens(model, work, compute="fp32", speculative_tokens=0)  # (the rows' rounding shows)
+    for each in offered():
+        unit(each)
+        default = "fp32" if each == "portable" else "bf16"  # (plain C++ would be slower than fp32)
+        assert Engine(model, config=EngineConfig(num_blocks=64)).config.compute == default, each
+    assert await engine_tokens(model, work, speculative_tokens=0) == bf16  # (the best unit: set back)
+    # not where the rows would lose more than the model's own precision, or where the decoder does not serve
+    for other, fields in ((MODELS["llama"](), {}), (MODELS["llama"]().to(torch.float16), {}),
+                          (model, {"fuse_cpu_layers": False}), (model, {"batch_invariant": True})):
+        assert Engine(other, config=EngineConfig(num_blocks=64, **fields)).config.compute == "fp32"
+
+
 async def test_bf16_compute_is_refused_where_it_cannot_run():
     model = MODELS["llama"]()
     with pytest.raises(ValueError, match="pack_cpu_weights=False"):

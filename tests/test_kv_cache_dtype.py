@@ -96,8 +96,8 @@ async def test_bf16_cache_is_refused_where_the_attention_cannot_read_it():
 
 
 async def test_bf16_model_on_the_one_call_decoder_takes_a_bf16_cache():
-    """A bf16 model computes in fp32 on the one-call decoder over an fp32 cache by default; with the option, over a
-    bf16 one: `generate` of the model upcast with its keys and values rounded."""
+    """A bf16 model computing in fp32 on the one-call decoder (`compute="fp32"`) does so over an fp32 cache by
+    default; with the option, over a bf16 one: `generate` of the model upcast with its keys and values rounded."""
     import copy
 
     model = MODELS["llama"]().to(torch.bfloat16)
@@ -105,7 +105,7 @@ async def test_bf16_model_on_the_one_call_decoder_takes_a_bf16_cache():
     upcast = copy.deepcopy(model).float()
     with RoundedKV(upcast):
         want = [reference(upcast, p, n) for p, n in work]
-    assert await run(model, work) == want
+    assert await run(model, work, compute="fp32") == want
 
 
 def test_quality_scores_a_bf16_cache(tmp_path, capsys):
