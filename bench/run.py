@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default=None, choices=["bf16", "int8"],
                         help="every jitney mode's EngineConfig.kv_cache_dtype (e.g. with jitney-int8: int8 weights over a "
                              "bf16 cache); jitney-kvbf16 / jitney-kvint8 are jitney with bf16 / int8")
+    parser.add_argument("--compute", default=None, choices=["fp32", "bf16"],
+                        help="every jitney mode's EngineConfig.compute (default: the engine's, bf16 for a bf16 model on "
+                             "AMX or AVX512-BF16; e.g. fp32 to time a bf16 model's fp32 path); jitney-bf16c is jitney with bf16")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--chunk-context-cost", type=float, default=None,
                         help="jitney's EngineConfig.chunk_context_cost (default: the model's; 0: a chunk counts its tokens only)")
@@ -213,7 +216,7 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
                   scheduler=getattr(args, "scheduler", "fifo"),
                   attention_backend=attention or args.attention,
                   chunk_context_cost=getattr(args, "chunk_context_cost", None),
-                  kv_cache_dtype=getattr(args, "kv_cache_dtype", None))
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", None), compute=getattr(args, "compute", None))
     if getattr(args, "async_batching", False):
         fields["use_async_batching"] = True
     if getattr(args, "speculative_tokens", None) is not None:
@@ -267,6 +270,7 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
             serving = time.perf_counter() - t0
             if decoder is not None:
                 stats.attention_s = decoder.native.attention_seconds - attention
+            stats.memory = engine.memory()  # (entered: the packed parts are there)
 
     anyio.run(main)
     if getattr(args, "timeline", None):
@@ -471,8 +475,12 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
                 row["attention_share"] = round(stats.attention_s / wall, 3)
             row |= {"step_shapes": stats.recorder.shapes, "weights": stats.weights,  # (set by `run_jitney`)
                     "kv_itemsize": stats.kv_itemsize, "compute": stats.compute}
+            if getattr(stats, "memory", None) is not None:  # (what the engine held, by part: `Engine.memory`)
+                row["memory_mib"] = {k: round(getattr(stats.memory, k) / 2**20, 1) for k in stats.memory.__struct_fields__}
         rows.append(row)
         print(f"  {label}: {wall:.1f} s (+{startup:.1f} s start-up)", flush=True)
+        if getattr(stats, "memory", None) is not None:
+            print(f"    memory: {stats.memory.describe()}", flush=True)
     # This machine's speed drifts: probe again and take the faster reading (the roofline shares err low).
     peak = max(first_peak, matmul_peak_gflops())
     print(f"fp32 matmul peak probed again after the runs: {peak:.0f} GFLOP/s taken (first {first_peak:.0f})")

@@ -26,6 +26,7 @@ class StepStats:
         self.drafted = self.accepted = self.speculative_steps = 0
         self.ttft: list[float] = []  # queueing to first token, per request
         self.attention_s: float | None = None  # seconds in attention, where the one-call decoder says
+        self.memory = None  # what the engine held, by part (`Engine.memory()`), set by the run
         # KV slots held vs used, summed over steps (`slots`): a pass over every active request's blocks each step
         self.slots = slots
 

@@ -34,13 +34,16 @@ def step_overhead_bytes(
 
 
 def solve_num_blocks(
-    per_block: int, overhead: int, memory_percent: float, device: torch.device, most_useful: int | None = None
+    per_block: int, overhead: int, memory_percent: float, device: torch.device, most_useful: int | None = None,
+    cap: int | None = None,
 ) -> int:
     """Largest block count whose cache plus one step's overhead fits under `memory_percent` of free memory,
     capped at `most_useful` (what every request of a full batch at the model's whole context would hold: more
-    could never be used, and each block costs some bookkeeping)."""
+    could never be used, and each block costs some bookkeeping) and at `cap` bytes of cache."""
     budget = int(available_memory(device) * memory_percent) - overhead
     n = budget // per_block - 2  # two blocks are reserved for padding
+    if cap is not None and n > cap // per_block - 2:
+        n = max(1, cap // per_block - 2)
     if most_useful is not None and n > most_useful:
         return most_useful
     if n < 1:

@@ -88,7 +88,9 @@ def build_cache(cfg: EngineConfig, mc, dtype: torch.dtype, device: torch.device,
         most_useful = None
         if max_context != math.inf:
             most_useful = cfg.max_requests_per_batch * -(-int(max_context) // cfg.block_size)
-        num_blocks = solve_num_blocks(per_block, overhead, cfg.max_memory_percent, device, most_useful)
+        cap = cfg.cpu_kv_cache_space if device.type == "cpu" else None
+        num_blocks = solve_num_blocks(per_block, overhead, cfg.max_memory_percent, device, most_useful,
+                                      None if cap is None else int(cap * 2**30))
     commit = cfg.commit_cache if cfg.commit_cache is not None else cfg.num_blocks is not None
     commit = commit and on_huge_pages(device)  # where the storage can commit its pages at all
     if commit:

@@ -20,7 +20,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     block_size: Annotated[int, Meta(ge=4)] = 16
     """Tokens per KV-cache block."""
     num_blocks: PositiveInt | None = None
-    """Blocks in the KV cache; `None` solves for it from free memory under `max_memory_percent`."""
+    """Blocks in the KV cache; `None` solves for it from free memory under `max_memory_percent` (on CPU, and at most
+    `cpu_kv_cache_space`)."""
     commit_cache: bool | None = None
     """On a Linux CPU, write every page of the KV cache once when the engine is built, so that no step waits on the
     first write into a fresh page (on huge pages the kernel may compact memory to find one: ~1.2 s of a 15.4 s
@@ -52,6 +53,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Share of blocks kept free before a new prefill may start; `None` takes the scheduler's default."""
     allow_block_sharing: bool = True
     """Prefix caching, where every layer is full attention."""
+    cpu_kv_cache_space: Annotated[float, Meta(gt=0.0)] | None = 4.0
+    """GiB the KV cache may take on CPU when `num_blocks` is not given (besides `max_memory_percent` of the available
+    RAM): a cache a machine's other programs can live beside, where 90% of the RAM would reserve tens of GB for a
+    small model. SmolLM2 holds ~93,000 fp32 tokens in 4 GiB, a 7B model with 8 KV heads ~16,000 (a bf16 cache
+    twice that). `None`: no cap (what the memory allows). vLLM's CPU backend reserves 4 GiB by default too."""
     cpu_offload_space: Annotated[float, Meta(ge=0.0)] = 0.0
     """GiB of host memory for swapped-out requests (0 disables it)."""
     q_padding_interval_size: Annotated[int, Meta(ge=0)] = 0

@@ -23,6 +23,7 @@ from jitney.core.executor import ForwardThread, PreparedStep, StepExecutor
 from jitney.core.faults import ErrorLog, PluginFault, batch_requests, notify_observers
 from jitney.core.hooks import make_plugin_manager, registry
 from jitney.core.models import load_model
+from jitney.core.memory import MemoryUse, memory_use
 from jitney.core.preemption import Preempter
 from jitney.core.request import Completion, Request, RequestStatus, cut_at_stop
 from jitney.core.sequence import Collector, Sequence, greedy_decodes
@@ -299,6 +300,11 @@ class Engine:
     @property
     def num_free_blocks(self) -> int:
         return self.cache.num_free_blocks
+
+    def memory(self) -> MemoryUse:
+        """The bytes this engine holds, by part: the model's weights, jitney's packed copies, the draft, the LM
+        head's screen, the KV cache (`core.memory`). The packed parts are there once the engine is entered."""
+        return memory_use(self.model, self._cpu_paths, self.cache)
 
     # -- the step loop ---------------------------------------------------------------------------------------
 

@@ -197,6 +197,8 @@ class FusedLayers:
         """The linear layers computed here (`PackedLinears` can skip them)."""
         self.decoder: FusedDecoder | None = None
         """A step in one call, where the whole model is fused."""
+        self.tensors: list[torch.Tensor] = []
+        """The packed copies it made (`core.memory`; the decoder's screen and draft apart)."""
 
     def __enter__(self) -> "FusedLayers":
         kernels = native.load()
@@ -207,12 +209,15 @@ class FusedLayers:
         for layer in self.model.modules():
             if supported(layer):
                 packs[layer] = _LayerLinears(layer, self.quantized, self.compute)
+                self.tensors += [t for linear in vars(packs[layer]).values() if isinstance(linear, cpu_linear.PanelLinear)
+                                 for t in linear.tensors]
                 layer.forward = _fused_forward(layer, packs[layer], kernels)
                 self.patched.append(layer)
                 self.linears.update(m for group in _groups(layer) for m in group)
         if whole:
             head = self.model.lm_head
             head.forward = packed_head = _stacked([head], self.quantized)  # the decoder's and the model's forward share it
+            self.tensors += packed_head.tensors
             self.patched.append(head)
             self.linears.add(head)
             self.decoder = FusedDecoder(self.model, packs, packed_head, kernels, self.quantized, self.screen)
@@ -221,7 +226,7 @@ class FusedLayers:
     def __exit__(self, *exc_info) -> None:
         for module in self.patched:
             del module.forward  # back to the class's forward
-        self.patched, self.linears, self.decoder = [], set(), None
+        self.patched, self.linears, self.decoder, self.tensors = [], set(), None, []
 
 
 # Causal LMs whose forward is embed -> rotary angles -> every decoder layer -> final norm -> LM head, nothing else.
@@ -287,9 +292,13 @@ class FusedDecoder:
                          and bool(torch.isfinite(weight).all()))  # (a NaN weight's logit is every row's argmax)
         """Whether greedy steps take the LM head's screen (`HeadScreen` in `cpu_kernels.cpp`): the same tokens
         without most of the fp32 logits."""
+        self.screen_tensors = list(cpu_linear.head_screen(weight)) if self.screened else []
+        """What the screen holds (`core.memory`; its first, the head's weights, may be the model's own)."""
         if self.screened:
-            self.native.screen(*cpu_linear.head_screen(weight))
+            self.native.screen(*self.screen_tensors)
         self._draft = self.native if quantized in ("int8", "w8a8") else None
+        self.draft_tensors: list[torch.Tensor] = []
+        """What the draft holds once packed (`core.memory`; none where it is the decoder itself)."""
         self.argmax = kernels.argmax_rows
         """torch.argmax's tokens, off OpenMP (see `argmax_rows` in `cpu_kernels.cpp`)."""
 
@@ -352,7 +361,10 @@ class FusedDecoder:
                     packed += [pack([m.weight.detach() for m in linears]), _stacked_bias(linears)]
                 layers.append(packed)
             head = self.model.lm_head
-            self._draft = self._native(layers, pack([head.weight.detach()]), _stacked_bias([head]))
+            head_packed, head_bias = pack([head.weight.detach()]), _stacked_bias([head])
+            self._draft = self._native(layers, head_packed, head_bias)
+            self.draft_tensors = [t for t in (*(t for packed in layers for t in packed), head_packed, head_bias)
+                                  if t is not None]
         return self._draft
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, step, started, greedy: bool = False) -> torch.Tensor:

@@ -49,6 +49,8 @@ class PackedLinears:
         self.quantized = quantized
         self.compute = compute
         self.patched: list[nn.Linear] = []
+        self.tensors: list[torch.Tensor] = []
+        """The packed copies it made (`core.memory`)."""
 
     def __enter__(self) -> "PackedLinears":
         kinds = (torch.float32, torch.bfloat16, torch.float16) if self.widen or self.compute == "bf16" else (torch.float32,)
@@ -60,22 +62,23 @@ class PackedLinears:
             bias = None if module.bias is None else module.bias.detach().float()
             if self.compute == "bf16" and module is not head:
                 linear = PanelLinear([w.detach()], bias, compute="bf16")
-                module.forward = linear if w.dtype == torch.float32 else _widened(linear)
             elif w.dtype not in (torch.float32,) + ((torch.bfloat16, torch.float16) if self.widen else ()):
                 continue  # (a half-precision head under bf16 compute: torch's, as without)
             elif w.dtype == torch.float32 and self.quantized:
-                module.forward = PanelLinear([w.detach()], module.bias, quantized=self.quantized)
+                linear = PanelLinear([w.detach()], module.bias, quantized=self.quantized)
             elif w.dtype == torch.float32:
-                module.forward = packed_linear([w.detach()], module.bias)
+                linear = packed_linear([w.detach()], module.bias)
             else:
-                module.forward = _widened(PanelLinear([w.detach().float()], bias))
+                linear = PanelLinear([w.detach().float()], bias)
+            module.forward = linear if w.dtype == torch.float32 else _widened(linear)
+            self.tensors += linear.tensors
             self.patched.append(module)
         return self
 
     def __exit__(self, *exc_info) -> None:
         for module in self.patched:
             del module.forward  # back to nn.Linear.forward
-        self.patched = []
+        self.patched, self.tensors = [], []
 
 
 COMPUTE = ("fp32", "bf16")
@@ -134,6 +137,11 @@ class PanelLinear:
             bias = torch.stack(bias.detach().view(2, -1, 16).unbind(0), 1).reshape(-1)
         self.bias = None if bias is None else bias.detach().contiguous()
         self._kernel = kernels.panel_linear
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """What it holds (`core.memory`)."""
+        return [self.packed] + ([] if self.bias is None else [self.bias])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -251,4 +259,5 @@ def packed_linear(weights: list[torch.Tensor], bias: torch.Tensor | None):
         y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
         return y.view(*x.shape[:-1], out_features)
 
+    forward.tensors = [packed]  # (as `PanelLinear.tensors`)
     return forward

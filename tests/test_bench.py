@@ -121,6 +121,9 @@ def test_bench_reads_bf16_computes_shares_against_the_bf16_peak(tmp_path):
     report = json.loads(out.read_text())
     plain, bf16 = report["rows"]
     assert (plain["compute"], bf16["compute"]) == ("fp32", "bf16") and bf16["same_tokens_as_first"] < 1
+    # each jitney row says what the engine held, by part (`Engine.memory`): bf16 compute's packed copy is smaller
+    assert set(plain["memory_mib"]) == {"weights", "packed", "draft", "screen", "kv_reserved", "kv_in_use"}
+    assert 0 < bf16["memory_mib"]["packed"] < plain["memory_mib"]["packed"]
     assert report["bf16_matmul_peak_gflops"] > 0 and report["bf16_unit"] in ("portable", "avx512-bf16", "amx")
     gflop, wall = report["workload_gflop"], bf16["wall_s"]
     # (its roofline is not the fp32 one: its linears' share of the work is timed at the bf16 peak)

@@ -170,6 +170,26 @@ def test_block_count_is_solved_from_available_memory(llama, monkeypatch):
         Engine(llama, config=EngineConfig(block_size=16, max_memory_percent=0.5))
 
 
+def test_a_cpu_cache_is_capped_at_its_space_whatever_the_memory_free(llama, monkeypatch):
+    from jitney import Engine, EngineConfig
+    from jitney.cache import sizing
+
+    monkeypatch.setattr(sizing, "available_memory", lambda device: 64 * 2**30)  # a big machine, mostly free
+    per_block = sizing.bytes_per_block(2, 16, 2, 16, torch.float32)
+    assert sizing.solve_num_blocks(per_block, 0, 0.9, torch.device("cpu")) > 4 * 2**30 // per_block  # no cap
+    assert sizing.solve_num_blocks(per_block, 0, 0.9, torch.device("cpu"), cap=4 * 2**30) == 4 * 2**30 // per_block - 2
+    assert sizing.solve_num_blocks(per_block, 0, 0.9, torch.device("cpu"), cap=1) == 1  # (at least one block)
+    assert EngineConfig().cpu_kv_cache_space == 4.0  # GiB, by default
+    engine = Engine(llama, config=EngineConfig(block_size=16, cpu_kv_cache_space=2**-10))  # 1 MiB
+    assert engine.cache.num_blocks == 2**20 // per_block - 2
+    assert engine.cache.bytes_allocated <= 2**20
+    # no cap: what the memory allows (here the most a full batch could use, 64 requests at the whole context)
+    engine = Engine(llama, config=EngineConfig(block_size=16, cpu_kv_cache_space=None))
+    assert engine.cache.num_blocks == 64 * 512 // 16
+    with pytest.raises(ValueError, match="EngineConfig.cpu_kv_cache_space"):
+        EngineConfig(cpu_kv_cache_space=0)
+
+
 _MEASURE_CACHE = """
 import torch
 from jitney.cache import sizing

@@ -1,0 +1,51 @@
+"""`Engine.memory()`: what an engine holds, by part, each tensor counted once: the model's weights, jitney's packed
+copies, the draft and the screen only where they are built, the KV cache reserved and in use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import tiny_llama
+
+from jitney import Engine, EngineConfig, Request, SamplingParams
+from jitney.kernels import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the packed parts need jitney's C++ kernels")
+
+
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # (parameters() gives a tied one once)
+
+
+async def test_each_part_is_counted_where_it_is_built():
+    model = tiny_llama()
+    config = dict(num_blocks=64, block_size=4)
+    async with Engine(model, config=EngineConfig(**config)) as engine:
+        use = engine.memory()
+        assert use.weights == param_bytes(model)
+        linears = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+        assert linears <= use.packed <= linears * 1.2  # an fp32 copy of every linear (panels padded to 16 outputs)
+        assert use.draft > 0 and use.draft < use.packed / 2  # int8: about a quarter
+        assert use.screen > 0 if engine.executor.decoder.screened else use.screen == 0
+        assert use.kv_reserved == engine.cache.bytes_allocated and use.kv_in_use == 0
+        async with engine.stream(Request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=8))) as stream:
+            async for _ in stream:
+                assert engine.memory().kv_in_use > 0  # (the request's blocks, while it runs)
+                break
+        assert use.total == use.weights + use.packed + use.draft + use.screen + use.kv_reserved
+        assert "weights" in use.describe() and "KV reserved" in use.describe()
+    async with Engine(model, config=EngineConfig(**config, speculative_tokens=0, lm_head_screen=False)) as engine:
+        use = engine.memory()
+        assert use.draft == 0 and use.screen == 0 and use.packed > 0  # (built only where used)
+    async with Engine(model, config=EngineConfig(**config, pack_cpu_weights=False)) as engine:
+        assert engine.memory().packed == 0
+
+
+async def test_a_bf16_computes_copy_is_half_an_fp32_one():
+    model = tiny_llama()
+    async with Engine(model, config=EngineConfig(num_blocks=64, block_size=4)) as engine:
+        fp32 = engine.memory().packed
+    async with Engine(model, config=EngineConfig(num_blocks=64, block_size=4, compute="bf16")) as engine:
+        bf16 = engine.memory().packed
+    head = model.lm_head.weight.numel() * 4  # (the LM head stays fp32)
+    assert bf16 - head == pytest.approx((fp32 - head) / 2, rel=0.05)
