@@ -92,7 +92,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     lm_head_screen: bool = True
     """On the CPU's one-call decoder, a step whose rows are all greedy takes each row's token through the LM head's
     screen: int8 logits with proven bounds, fp32 logits only where those leave a doubt (`HeadScreen` in
-    `kernels/cpu_kernels.cpp`). The tokens are the plain head's argmax bit for bit; off, every logit is computed
+    `kernels/cpu/head_screen.h`). The tokens are the plain head's argmax bit for bit; off, every logit is computed
     (to measure what it gains: bench mode `jitney-noscreen`). Only for an fp32 head (or its `weights="bf16"`
     copy), or a bf16 / fp16 model's, without bias, soft-capping or divisor, on a CPU with AVX-512 VNNI; costs the
     head's int8 copy (SmolLM2: +36 MB)."""

@@ -244,7 +244,7 @@ ROTARY_PER_LAYER_TYPE = {"Gemma3TextModel"}
 
 
 class FusedDecoder:
-    """Steps with every decoder layer, the final norm and the LM head in one C++ call (`cpu_kernels.cpp`).
+    """Steps with every decoder layer, the final norm and the LM head in one C++ call (`kernels/cpu/decoder.h`).
     Module hooks registered on those modules do not run for these steps (nor does transformers' layer forward)."""
 
     @staticmethod
@@ -290,7 +290,7 @@ class FusedDecoder:
                          and not getattr(config, "final_logit_softcapping", None) and weight.shape[1] % 32 == 0
                          and weight.numel() < 2**31  # (the gathers of its fp32 logits take int32 offsets)
                          and bool(torch.isfinite(weight).all()))  # (a NaN weight's logit is every row's argmax)
-        """Whether greedy steps take the LM head's screen (`HeadScreen` in `cpu_kernels.cpp`): the same tokens
+        """Whether greedy steps take the LM head's screen (`HeadScreen` in `kernels/cpu/head_screen.h`): the same tokens
         without most of the fp32 logits."""
         self.screen_tensors = list(cpu_linear.head_screen(weight)) if self.screened else []
         """What the screen holds (`core.memory`; its first, the head's weights, may be the model's own)."""
@@ -300,7 +300,7 @@ class FusedDecoder:
         self.draft_tensors: list[torch.Tensor] = []
         """What the draft holds once packed (`core.memory`; none where it is the decoder itself)."""
         self.argmax = kernels.argmax_rows
-        """torch.argmax's tokens, off OpenMP (see `argmax_rows` in `cpu_kernels.cpp`)."""
+        """torch.argmax's tokens, off OpenMP (see `argmax_rows` in `kernels/cpu/layers.h`)."""
 
     def _native(self, layers: list[list[torch.Tensor | None]], head: torch.Tensor, head_bias: torch.Tensor | None,
                 gated: bool = False):

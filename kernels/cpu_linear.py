@@ -1,7 +1,7 @@
 """Faster fp32 linear layers on CPU: each `nn.Linear.forward` through a packed copy of its weight.
 
 `PanelLinear` packs the weight into panels of 16 output features (C++ `pack_panels` / `panel_linear`,
-`kernels/cpu_kernels.cpp`): a register-tiled kernel that reads each weight once per step and reuses it across
+`kernels/cpu/linear.h`): a register-tiled kernel that reads each weight once per step and reuses it across
 up to six rows at a time. Over SmolLM2's decoder linears on this project's 2-core machine it ran 1.2–2.1x
 faster than oneDNN's prepacked matmul from 1 to 64 rows and 1.15–1.25x at 128–256 (the same process; table in
 docs/performance-notes.md), and faster than the plain-weight kernel it replaced at one or two rows. The packed copies
@@ -85,7 +85,7 @@ COMPUTE = ("fp32", "bf16")
 """What a linear layer's rows may compute in (`EngineConfig.compute`)."""
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
-"""A gated MLP's activations the kernels compute, by the codes of `Activation` in `cpu_kernels.cpp`."""
+"""A gated MLP's activations the kernels compute, by the codes of `Activation` in `kernels/cpu/linear.h`."""
 
 
 class PanelLinear:
@@ -103,7 +103,7 @@ class PanelLinear:
     widened back to fp32 as the kernel loads it: the same sums as fp32 over the rounded weights (`rounded`).
     `compute="bf16"` (`EngineConfig.compute`): the weights rounded to bf16 as "bf16" rounds them, and each row too
     as it enters, their products summed in fp32 on the CPU's matrix units (AMX tiles, else AVX512-BF16, else
-    plain C++: `vnni_panels` in `cpu_bf16.h`); fp32 outputs. Where the input width is not a multiple of 32, rows
+    plain C++: `vnni_panels` in `kernels/cpu/bf16.h`); fp32 outputs. Where the input width is not a multiple of 32, rows
     stay fp32 over the bf16 weights. Not with int8 weights."""
 
     def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, gated: bool = False,

@@ -1,6 +1,6 @@
-"""C++ kernels for the CPU (`cpu_kernels.cpp`), compiled once per machine with its C++ compiler (`torch.utils.cpp_extension`,
-into ``<jitney cache>/kernels``; `jitney setup` builds them ahead). Where they cannot be built, callers fall
-back to torch: `available()` says which.
+"""C++ kernels for the CPU (`cpu_kernels.cpp` and its parts in `cpu/`), compiled once per machine with its C++
+compiler (`torch.utils.cpp_extension`, into ``<jitney cache>/kernels``; `jitney setup` builds them ahead). Where
+they cannot be built, callers fall back to torch: `available()` says which.
 
 - `paged_decode`, `paged_prefill`: attention of decode rows and of prefill chunks, read in place through the
   block tables, with soft-capping and attention sinks where a model has them (`kernels/cpu_paged.py`).
@@ -57,9 +57,10 @@ log = logging.getLogger("jitney")
 BUILD_WAIT_S = 300.0
 """Seconds a process waits for another one's build of the kernels (about a minute) before it uses torch's."""
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-_HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)
-"""Files the source includes, copied beside it for the build."""
+_KERNELS = Path(__file__).parent
+_SOURCE = _KERNELS / "cpu_kernels.cpp"
+_HEADERS = tuple(sorted((_KERNELS / "cpu").rglob("*.h")))
+"""The parts the source includes (`kernels/cpu/`, by operation; `cpu/x86/`), copied beside it for the build."""
 # Neither flag changes a value: no errno to set lets sqrt inline, no traps lets loops with branches vectorise.
 _CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 _LDFLAGS = ("-fopenmp",)
@@ -154,7 +155,8 @@ def build_dir() -> Path:
     from jitney.core.models import cache_dir
 
     what = [
-        *(hashlib.sha256(f.read_bytes()).hexdigest() for f in (_SOURCE, *_HEADERS)),
+        *(hashlib.sha256(str(f.relative_to(_KERNELS)).encode() + f.read_bytes()).hexdigest()
+          for f in (_SOURCE, *_HEADERS)),  # (each part by its place and content)
         torch.__version__,  # with its variant (+cpu, +cu121...)
         str(torch.version.cuda),
         str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")),
@@ -180,8 +182,9 @@ def _build(build: Path):
         # loader rebuilds whenever the command changes, so two checkouts of the same source would otherwise
         # rebuild each other's kernels at every start (their paths differ).
         for file in (*_HEADERS, _SOURCE):
-            copy, text = build / file.name, file.read_bytes()
+            copy, text = build / file.relative_to(_KERNELS), file.read_bytes()
             if not copy.exists() or copy.read_bytes() != text:
+                copy.parent.mkdir(parents=True, exist_ok=True)
                 copy.write_bytes(text)
         source = build / _SOURCE.name
         # lists of their own: torch's loader appends its libraries to the flags it is given

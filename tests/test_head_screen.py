@@ -1,4 +1,4 @@
-"""The LM head's screen (`HeadScreen` in `cpu_kernels.cpp`): greedy tokens from int8 logits with bounds, fp32
+"""The LM head's screen (`HeadScreen` in `kernels/cpu/head_screen.h`): greedy tokens from int8 logits with bounds, fp32
 logits only where the bounds leave a doubt; always the argmax of every fp32 logit, as `panel_rows` computes them."""
 
 from __future__ import annotations

@@ -147,3 +147,23 @@ def test_the_build_command_does_not_name_the_checkout(build):
     ninja = (build / "build.ninja").read_text()
     assert str(build / "cpu_kernels.cpp") in ninja
     assert str(native._SOURCE) not in ninja
+
+
+def test_every_part_of_the_source_is_built_from_its_copy_and_keys_the_folder(build, monkeypatch, tmp_path):
+    """The kernels are one translation unit split into parts (`kernels/cpu/`): each is copied into the build folder
+    at its place, and a change to any part names another folder (a stale build never loads)."""
+    import shutil
+
+    parts = [f.relative_to(native._KERNELS) for f in native._HEADERS]
+    assert {"cpu/linear.h", "cpu/bf16.h", "cpu/x86/avx512_decode.h"} <= {str(p) for p in parts}
+    for part in parts:
+        assert (build / part).read_bytes() == (native._KERNELS / part).read_bytes()
+    copy = tmp_path / "kernels"
+    shutil.copytree(native._KERNELS, copy, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(native, "_KERNELS", copy)
+    monkeypatch.setattr(native, "_SOURCE", copy / native._SOURCE.name)
+    monkeypatch.setattr(native, "_HEADERS", tuple(copy / part for part in parts))
+    assert native.build_dir() == build  # (the same content: the same folder)
+    with open(copy / "cpu" / "x86" / "avx512_decode.h", "a") as f:
+        f.write("// a change\n")
+    assert native.build_dir() != build

@@ -1,6 +1,6 @@
 // bf16 compute (`EngineConfig.compute="bf16"`): a linear layer's rows rounded to bfloat16 (to nearest even), times
 // bf16 weights, each output summed in fp32; fp32 outputs (the bias, a gated MLP's activation and the residual added
-// in fp32 as `panel_rows` adds them). Included by cpu_kernels.cpp, after `Panels`, `parallel` and `gate_times_up`.
+// in fp32 as `panel_rows` adds them). Included by cpu/linear.h, after `Panels`, `parallel` and `gate_times_up`.
 //
 // Weights: `vnni_panels` re-lays `pack_panels` (or `pack_panels_gated`) bf16 panels as [P, K / 2, 16, 2], K the
 // input width (a multiple of 32): within a panel each pair of inputs holds its 16 output features' two weights
