@@ -389,12 +389,12 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
     from jitney.core.models import load_model
 
     torch.manual_seed(0)
+    dtype = getattr(args, "dtype", "float32")
     if args.model in MODEL_SHAPES:
-        model, tokenizer = shaped_model(args.model), None
+        model, tokenizer = shaped_model(args.model, getattr(torch, dtype)), None
     else:
         model, tokenizer = load_model(args.model)
-    dtype = getattr(args, "dtype", "float32")
-    if dtype != "float32":
+    if next(model.parameters()).dtype != getattr(torch, dtype):
         model = model.to(getattr(torch, dtype))
     if args.null_executor:
         from jitney.bench.overhead import measure

@@ -134,17 +134,22 @@ MODEL_SHAPES = {
         hidden_size=640, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
         intermediate_size=2048, vocab_size=262144, query_pre_attn_scalar=256, sliding_window=512,
         max_position_embeddings=32768)),
+    "llama3.2-3b-random": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+        intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+        max_position_embeddings=131072)),
 }
-"""Models benchmarked by their shape (random weights, fp32; `jitney bench --model NAME`): TinyLlama-1.1B's,
-Qwen3-0.6B's and Gemma-3-270M's (config class, model class, config fields)."""
+"""Models benchmarked by their shape (random weights; `jitney bench --model NAME`): TinyLlama-1.1B's, Qwen3-0.6B's,
+Gemma-3-270M's and Llama-3.2-3B's (config class, model class, config fields)."""
 
 
-def shaped_model(name: str):
-    """A model of the shape `MODEL_SHAPES[name]`, random weights (seeded), no tokenizer."""
+def shaped_model(name: str, dtype=None):
+    """A model of the shape `MODEL_SHAPES[name]`, random weights (seeded), no tokenizer; built directly in `dtype`
+    (a torch dtype; default fp32), so a bf16 3B model never holds an fp32 copy (12.8 GB) on the way."""
     import torch
     import transformers
 
     config_class, model_class, shape = MODEL_SHAPES[name]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**shape, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    return getattr(transformers, model_class)(config).eval()
+    return getattr(transformers, model_class)._from_config(config, dtype=dtype or torch.float32).eval()

@@ -187,20 +187,25 @@ BF16_UNITS = {"amx": "AMX-BF16 tiles", "avx512-bf16": "AVX512-BF16's vdpbf16ps",
 """The units bf16 compute runs on (`bf16_unit` in `kernels/cpu/bf16.h`), in words."""
 
 
+def _why_not_packed(cfg: EngineConfig, model) -> str | None:
+    """Why the linears of `model` cannot run on jitney's packed CPU kernels under `cfg`, in words (None: they can)."""
+    pack, _ = cpu_paths(cfg, model)
+    device = next(model.parameters()).device.type
+    if device != "cpu":
+        return f"it is implemented on CPU only (the model is on {device})"
+    if not native.available():
+        return "jitney's C++ kernels do not build here"
+    if not pack:
+        return "pack_cpu_weights=False leaves the linear layers to torch"
+    return None
+
+
 def check_compute(cfg: EngineConfig, model) -> None:
     """A `ValueError` saying why `EngineConfig.compute="bf16"` cannot serve `model`, if it cannot."""
     if cfg.compute != "bf16":
         return
-    pack, _ = cpu_paths(cfg, model)
-    param = next(model.parameters())
-    why = None
-    if param.device.type != "cpu":
-        why = f"it is implemented on CPU only (the model is on {param.device.type})"
-    elif not native.available():
-        why = "jitney's C++ kernels do not build here"
-    elif not pack:
-        why = "pack_cpu_weights=False leaves the linear layers to torch"
-    elif cfg.weights in ("int8", "w8a8"):
+    why = _why_not_packed(cfg, model)
+    if why is None and cfg.weights in ("int8", "w8a8"):
         why = f"it computes over bf16 weights, not weights={cfg.weights!r}"
     if why:
         raise ValueError(f"EngineConfig.compute='bf16': {why}")
@@ -211,21 +216,14 @@ def check_weights(cfg: EngineConfig, model) -> None:
     weights = cfg.weights
     if weights is None:
         return
-    pack, _ = cpu_paths(cfg, model)
     param = next(model.parameters())
     linears = [(name, m) for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32]
     narrow = next((f"{name} takes {m.in_features}" for name, m in linears if m.in_features % 32), None)
-    why = None
-    if param.device.type != "cpu":
-        why = f"it is implemented on CPU only (the model is on {param.device.type})"
-    elif not native.available():
-        why = "jitney's C++ kernels do not build here"
-    elif not pack:
-        why = "pack_cpu_weights=False leaves the linear layers to torch"
-    elif not linears:
+    why = _why_not_packed(cfg, model)
+    if why is None and not linears:
         why = f"the model has no fp32 linear layers (its weights are {param.dtype}: load it in fp32)"
-    elif weights == "w8a8" and narrow:
+    elif why is None and weights == "w8a8" and narrow:
         why = f"int8 activations go in blocks of 32 inputs, and {narrow} (use weights='int8')"
     if why:
         raise ValueError(f"EngineConfig.weights={weights!r}: {why}")

@@ -7,6 +7,7 @@ import json
 
 import fake_peers
 import pytest
+import torch
 from support import tiny_llama
 
 from jitney.bench.isolation import Peer
@@ -162,3 +163,12 @@ def test_null_executor_times_the_engine_alone(tmp_path):
     report = json.loads(out.read_text())
     assert report["requests"] == 256 and report["full_decode_steps"] > 100
     assert 0 < report["step_ms_p50"] < 1000
+
+
+def test_shaped_models_are_built_in_the_dtype_asked():
+    from jitney.bench.workloads import shaped_model
+
+    with torch.device("meta"):  # (the shape alone: no memory)
+        model = shaped_model("llama3.2-3b-random", torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # (never an fp32 copy on the way)
+    assert 3.2e9 < sum(p.numel() for p in model.parameters()) < 3.3e9  # Llama 3.2 3B's, the head tied
