@@ -36,7 +36,8 @@ TESTS = {
 cache formats', int8 weights', the LM head screen's and batch invariance (`full`)."""
 
 MARGIN_FORMATS = [{}, {"weights": "int8"}, {"weights": "w8a8"}, {"weights": "bf16"}, {"kv_cache_dtype": "bf16"},
-                  {"kv_cache_dtype": "int8"}, {"weights": "w8a8", "kv_cache_dtype": "bf16"}]
+                  {"kv_cache_dtype": "int8"}, {"weights": "w8a8", "kv_cache_dtype": "bf16"}, {"compute": "bf16"},
+                  {"compute": "bf16", "kv_cache_dtype": "bf16"}]
 
 
 def margins(model: str = "smollm2") -> dict[str, float]:

@@ -209,8 +209,7 @@ class FusedLayers:
         for layer in self.model.modules():
             if supported(layer):
                 packs[layer] = _LayerLinears(layer, self.quantized, self.compute)
-                self.tensors += [t for linear in vars(packs[layer]).values() if isinstance(linear, cpu_linear.PanelLinear)
-                                 for t in linear.tensors]
+                self.tensors += packs[layer].tensors
                 layer.forward = _fused_forward(layer, packs[layer], kernels)
                 self.patched.append(layer)
                 self.linears.update(m for group in _groups(layer) for m in group)
@@ -482,6 +481,11 @@ class _LayerLinears:
         else:
             self.gate_up = _stacked(gate_up, quantized, compute)
         self.down = _stacked(down, quantized, compute)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """What its four linears hold (`core.memory`)."""
+        return [t for linear in (self.qkv, self.o, self.gate_up, self.down) for t in linear.tensors]
 
 
 def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):
