@@ -167,14 +167,14 @@ def enter_cpu_paths(cfg: EngineConfig, model) -> list:
         unit = native.load().bf16_unit()
         log.info("linear layers compute in bf16 on %s (%s)", unit, BF16_UNITS[unit])
     paths: list = []
-    try:
+    try:  # (each exits itself if it fails to enter, its weights put back)
         if fuse:
             paths.append(cpu_layers.FusedLayers(model, quantized=quantized, screen=cfg.lm_head_screen,
-                                                compute=compute).__enter__())
+                                                compute=compute, release=True).__enter__())
         if pack:
             skip = paths[0].linears if fuse else frozenset()
             paths.append(cpu_linear.PackedLinears(model, skip=skip, widen=cfg.batch_invariant, quantized=quantized,
-                                                  compute=compute).__enter__())
+                                                  compute=compute, release=True).__enter__())
     except BaseException:
         for path in reversed(paths):
             path.__exit__(None, None, None)

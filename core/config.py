@@ -79,8 +79,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Name of a registered attention backend; `None` chooses by device."""
     pack_cpu_weights: bool | None = None
     """On CPU, run fp32 linear layers through packed weights (`kernels/cpu_linear.py`: jitney's C++ kernel, or
-    oneDNN where it cannot be built; faster, keeps a packed copy of the weights while the engine runs). `None`:
-    on where available."""
+    oneDNN where it cannot be built; faster). While the engine runs, a packed copy that holds its weight exactly holds
+    it instead of the model (the model's tensor is empty until the engine exits; a rounded copy, int8 or bf16 from
+    fp32, sits beside it). `None`: on where available."""
     fuse_cpu_layers: bool | None = None
     """On CPU, run Llama-like fp32 decoder layers (Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma 1-3, OLMo2, Granite,
     SmolLM3) as a dozen calls each: C++ RMSNorm, rotary and the MLP's activation, one linear each over the q/k/v and

@@ -15,10 +15,12 @@ class MemoryUse(msgspec.Struct, frozen=True, kw_only=True):
     """Bytes an engine holds, by part."""
 
     weights: int
-    """The model's own parameters (a tied head and embedding once)."""
+    """The model's own parameters (a tied head and embedding once) that it still holds: not the weights its packed
+    copies hold instead of it (`cpu_linear.release`)."""
     packed: int
     """jitney's packed copies of the linear layers and the LM head (`EngineConfig.pack_cpu_weights`, `weights`,
-    `compute`): beside the model's own weights, not instead of them."""
+    `compute`): instead of the model's own weights where they hold them exactly (every decoder layer's linears but
+    rounded ones: int8, or bf16 from fp32), beside them where not (those, the LM head)."""
     draft: int
     """The int8 self-draft of speculative decoding (0 where speculation is off: it is packed only when used)."""
     screen: int

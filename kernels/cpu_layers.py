@@ -185,13 +185,19 @@ class FusedLayers:
     """While entered, every supported decoder layer of `model` runs fused (see the module's docstring);
     `quantized`: over int8 or bf16 copies of the weights ("int8", "w8a8" or "bf16", `cpu_linear.PanelLinear`);
     `screen`: greedy steps through the LM head's screen where it can (`FusedDecoder.screened`); `compute="bf16"`:
-    the layers' linears (not the LM head) compute in bf16 (`cpu_linear.PanelLinear(compute=...)`)."""
+    the layers' linears (not the LM head) compute in bf16 (`cpu_linear.PanelLinear(compute=...)`); `release`: the
+    layers' packed copies hold their weights instead of the model where they hold them exactly, each layer's given up
+    as soon as it is packed (so that packing never holds two copies of the whole model), put back on exit
+    (`cpu_linear.release`, `restore`); the LM head's stays (its screen and the draft read it)."""
 
-    def __init__(self, model: nn.Module, quantized: str | None = None, screen: bool = True, compute: str = "fp32"):
+    def __init__(self, model: nn.Module, quantized: str | None = None, screen: bool = True, compute: str = "fp32",
+                 release: bool = False):
         self.model = model
         self.quantized = quantized
         self.compute = compute
         self.screen = screen
+        self.release = release
+        self.released: list[tuple[list[nn.Linear], cpu_linear.PanelLinear]] = []
         self.patched: list[nn.Module] = []
         self.linears: set[nn.Linear] = set()
         """The linear layers computed here (`PackedLinears` can skip them)."""
@@ -201,14 +207,25 @@ class FusedLayers:
         """The packed copies it made (`core.memory`; the decoder's screen and draft apart)."""
 
     def __enter__(self) -> "FusedLayers":
+        try:
+            return self._enter()
+        except BaseException:  # (what it packed and released so far put back)
+            self.__exit__(None, None, None)
+            raise
+
+    def _enter(self) -> "FusedLayers":
         kernels = native.load()
         whole = FusedDecoder.supports(self.model)  # asked before the layers are patched
         if next(self.model.parameters()).dtype != torch.float32 and not whole:
             return self  # (a half-precision model's fused layers return fp32: only where every layer is one of them)
         packs = {}
+        keep = cpu_linear.shared(self.model)
         for layer in self.model.modules():
             if supported(layer):
                 packs[layer] = _LayerLinears(layer, self.quantized, self.compute)
+                for linears, packed in zip(_groups(layer), packs[layer].linears) if self.release else ():
+                    if cpu_linear.release(linears, packed, keep):
+                        self.released.append((linears, packed))
                 self.tensors += packs[layer].tensors
                 layer.forward = _fused_forward(layer, packs[layer], kernels)
                 self.patched.append(layer)
@@ -223,9 +240,11 @@ class FusedLayers:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        for linears, packed in self.released:
+            cpu_linear.restore(linears, packed)
         for module in self.patched:
             del module.forward  # back to the class's forward
-        self.patched, self.linears, self.decoder, self.tensors = [], set(), None, []
+        self.patched, self.released, self.linears, self.decoder, self.tensors = [], [], set(), None, []
 
 
 # Causal LMs whose forward is embed -> rotary angles -> every decoder layer -> final norm -> LM head, nothing else.
@@ -267,6 +286,7 @@ class FusedDecoder:
                  quantized: str | None = None, screen: bool = True):
         self.model = model
         self.kernels = kernels
+        self.packs = packs
         layers = []
         for layer in model.model.layers:
             p = packs[layer]
@@ -356,8 +376,8 @@ class FusedDecoder:
             layers = []
             for layer in self.model.model.layers:
                 packed = []
-                for linears in _groups(layer):
-                    packed += [pack([m.weight.detach() for m in linears]), _stacked_bias(linears)]
+                for linears, own in zip(_groups(layer), self.packs[layer].linears):
+                    packed += [pack(cpu_linear.weights_of(linears, own)), _stacked_bias(linears)]
                 layers.append(packed)
             head = self.model.lm_head
             head_packed, head_bias = pack([head.weight.detach()]), _stacked_bias([head])
@@ -483,9 +503,14 @@ class _LayerLinears:
         self.down = _stacked(down, quantized, compute)
 
     @property
+    def linears(self) -> tuple[cpu_linear.PanelLinear, ...]:
+        """Its four packed linears, in `_groups`' order."""
+        return self.qkv, self.o, self.gate_up, self.down
+
+    @property
     def tensors(self) -> list[torch.Tensor]:
         """What its four linears hold (`core.memory`)."""
-        return [t for linear in (self.qkv, self.o, self.gate_up, self.down) for t in linear.tensors]
+        return [t for linear in self.linears for t in linear.tensors]
 
 
 def _fused_forward(layer: nn.Module, linears: _LayerLinears, kernels):

@@ -6,12 +6,14 @@ up to six rows at a time. Over SmolLM2's decoder linears on this project's 2-cor
 faster than oneDNN's prepacked matmul from 1 to 64 rows and 1.15–1.25x at 128–256 (the same process; table in
 docs/performance-notes.md), and faster than the plain-weight kernel it replaced at one or two rows. The packed copies
 sit on transparent huge pages where the OS offers them (`pack_panels`). Where the C++ kernels cannot be
-built, oneDNN's prepacked matmul is used instead. Either keeps one packed copy of each weight while an engine
-runs (SmolLM2: +0.5 GB) and differs from `F.linear` by float rounding only.
+built, oneDNN's prepacked matmul is used instead. Either differs from `F.linear` by float rounding only. Under an
+engine a panel copy that holds its weight exactly (fp32; bf16 or fp16 as they are) holds it instead of the model
+(`release`); a rounded one (int8, bf16 from fp32) and oneDNN's sit beside it.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
@@ -39,22 +41,35 @@ class PackedLinears:
 
     `compute="bf16"` (`EngineConfig.compute`): every linear but the LM head (fp32, bf16 and fp16 ones) computes in
     bf16 (`PanelLinear(compute="bf16")`; a half-precision one's rows cast to fp32 and its outputs back); the head
-    as without."""
+    as without.
+
+    `release`: a packed copy that holds its weight exactly (`PanelLinear.exact`) holds it instead of the model, until
+    exit puts the weight back (`release`, `restore`); a weight another module shares stays."""
 
     def __init__(self, model: nn.Module, skip: set[nn.Module] | frozenset = frozenset(), widen: bool = False,
-                 quantized: str | None = None, compute: str = "fp32"):
+                 quantized: str | None = None, compute: str = "fp32", release: bool = False):
         self.model = model
         self.skip = skip
         self.widen = widen
         self.quantized = quantized
         self.compute = compute
+        self.release = release
         self.patched: list[nn.Linear] = []
+        self.released: list[tuple[nn.Linear, PanelLinear]] = []
         self.tensors: list[torch.Tensor] = []
         """The packed copies it made (`core.memory`)."""
 
     def __enter__(self) -> "PackedLinears":
+        try:
+            return self._enter()
+        except BaseException:  # (what it packed and released so far put back)
+            self.__exit__(None, None, None)
+            raise
+
+    def _enter(self) -> "PackedLinears":
         kinds = (torch.float32, torch.bfloat16, torch.float16) if self.widen or self.compute == "bf16" else (torch.float32,)
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        keep = shared(self.model)
         for module in self.model.modules():
             w = module.weight if isinstance(module, nn.Linear) else None
             if w is None or w.dtype not in kinds or w.device.type != "cpu" or module in self.skip:
@@ -73,12 +88,16 @@ class PackedLinears:
             module.forward = linear if w.dtype == torch.float32 else _widened(linear)
             self.tensors += linear.tensors
             self.patched.append(module)
+            if self.release and release([module], linear, keep):
+                self.released.append((module, linear))
         return self
 
     def __exit__(self, *exc_info) -> None:
+        for module, linear in self.released:
+            restore([module], linear)
         for module in self.patched:
             del module.forward  # back to nn.Linear.forward
-        self.patched, self.tensors = [], []
+        self.patched, self.released, self.tensors = [], [], []
 
 
 COMPUTE = ("fp32", "bf16")
@@ -121,6 +140,12 @@ class PanelLinear:
         kernels = native.load()
         self.gated = gated
         self.act = ACTIVATIONS[activation]
+        self.dtype = weights[0].dtype
+        """The weights' own type (`weight()` gives them back in it)."""
+        narrowed = (quantized == "bf16" or compute == "bf16") and self.dtype != torch.bfloat16
+        self.exact = quantized not in ("int8", "w8a8") and not narrowed
+        """Whether the packed copy holds the weights themselves (relaid, or widened to fp32), so that `weight()` gives
+        them back bit for bit."""
         if quantized == "bf16" or compute == "bf16":
             weights = [w.detach().to(torch.bfloat16) for w in weights]
         if quantized in ("int8", "w8a8"):
@@ -143,12 +168,65 @@ class PanelLinear:
         """What it holds (`core.memory`)."""
         return [self.packed] + ([] if self.bias is None else [self.bias])
 
+    def weight(self) -> torch.Tensor:
+        """The weights it packed, stacked [N, K] in their own type (a new tensor), where it holds them `exact`ly:
+        `pack_panels`' panels are [P, K, 16] (`vnni_panels`' [P, K / 2, 16, 2] the same pairs side by side), a gated
+        MLP's gate and up panels in turns."""
+        if not self.exact:
+            raise ValueError("PanelLinear.weight: its packed copy holds rounded weights, not the weights themselves")
+        p = self.packed
+        if p.dim() == 4:  # (vnni_panels)
+            p = p.permute(0, 1, 3, 2).reshape(p.shape[0], -1, 16)
+        k = p.shape[1]
+        if self.gated:  # [I / 16, gate | up, K, 16] -> gate's rows, then up's
+            w = p.view(-1, 2, k, 16).permute(1, 0, 3, 2).reshape(-1, k)
+        else:
+            w = p.permute(0, 2, 1).reshape(-1, k)[: self.width]
+        return w.to(self.dtype) if w.dtype != self.dtype else w.contiguous()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if not flat.is_contiguous():
             flat = flat.contiguous()
         return self._kernel(flat, self.packed, self.width, self.bias, self.gated, self.act).view(*x.shape[:-1],
                                                                                                  self.out_features)
+
+
+def shared(model: nn.Module) -> set[int]:
+    """Ids of the parameters of `model` that more than one module holds (a tied LM head and embedding)."""
+    counts = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return {i for i, n in counts.items() if n > 1}
+
+
+def release(linears: list[nn.Linear], packed, keep: set[int]) -> bool:
+    """Give the weights of `linears` (which `packed` computes as one) up to `packed`, where it holds them `exact`ly
+    and none is in `keep` (ids, `shared`): each becomes an empty tensor, so that a forward still reading it fails
+    loudly rather than silently, until `restore` unpacks it. Whether it did."""
+    if not isinstance(packed, PanelLinear) or not packed.exact or any(id(m.weight) in keep for m in linears):
+        return False
+    for m in linears:
+        m.weight.data = m.weight.data.new_empty(0)
+    return True
+
+
+def released(m: nn.Linear) -> bool:
+    """Whether `release` gave the weight of `m` up."""
+    return m.weight.numel() == 0 < m.in_features * m.out_features
+
+
+def restore(linears: list[nn.Linear], packed: PanelLinear) -> None:
+    """Each of `linears` its weight again, unpacked from `packed` (in its own type; a tensor of its own)."""
+    stacked = packed.weight()
+    blocks = stacked.split([m.out_features for m in linears])
+    for m, w in zip(linears, blocks):
+        m.weight.data = w.to(m.weight.dtype) if w.dtype != m.weight.dtype else w.clone() if len(linears) > 1 else w
+
+
+def weights_of(linears: list[nn.Linear], packed) -> list[torch.Tensor]:
+    """The weights of `linears`, stacked where `release` gave them up to `packed`, else as they are."""
+    if any(released(m) for m in linears):
+        return [packed.weight()]
+    return [m.weight.detach() for m in linears]
 
 
 def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,11 +20,13 @@ def param_bytes(model) -> int:
 async def test_each_part_is_counted_where_it_is_built():
     model = tiny_llama()
     config = dict(num_blocks=64, block_size=4)
+    linears = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    layers = sum(m.weight.numel() * 4 for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    own = param_bytes(model)
     async with Engine(model, config=EngineConfig(**config)) as engine:
         use = engine.memory()
-        assert use.weights == param_bytes(model)
-        linears = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
-        assert linears <= use.packed <= linears * 1.2  # an fp32 copy of every linear (panels padded to 16 outputs)
+        assert use.weights == own - layers  # the layers' linears held by their packed copies only
+        assert linears <= use.packed <= linears * 1.2  # every linear packed (panels padded to 16 outputs)
         assert use.draft > 0 and use.draft < use.packed / 2  # int8: about a quarter
         assert use.screen > 0 if engine.executor.decoder.screened else use.screen == 0
         assert use.kv_reserved == engine.cache.bytes_allocated and use.kv_in_use == 0
@@ -49,3 +51,22 @@ async def test_a_bf16_computes_copy_is_half_an_fp32_one():
         bf16 = engine.memory().packed
     head = model.lm_head.weight.numel() * 4  # (the LM head stays fp32)
     assert bf16 - head == pytest.approx((fp32 - head) / 2, rel=0.05)
+
+
+@pytest.mark.parametrize("dtype, compute", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float32, "bf16")])
+async def test_packed_copies_hold_the_layers_weights_instead_of_the_model(dtype, compute):
+    """Exact packed copies (fp32 panels; a bf16 model's bf16 ones, VNNI pairs too) replace the layers' weights
+    while an engine runs, and exit puts them back bit for bit; a copy rounded to bf16 cannot, and the weight stays."""
+    model = tiny_llama().to(dtype)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    layers = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    exact = dtype == torch.bfloat16 or compute == "fp32"
+    config = EngineConfig(num_blocks=64, block_size=4, compute=compute)
+    async with Engine(model, config=config) as engine:
+        assert all(m.weight.numel() == 0 for m in layers) if exact else all(m.weight.numel() > 0 for m in layers)
+        assert model.lm_head.weight.numel() > 0  # (the screen and the draft read the head)
+        assert engine.memory().draft > 0  # (the draft was packed from the packed copies)
+        async with engine.stream(Request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=4))) as stream:
+            assert len([t async for t in stream]) == 4
+    for name, p in model.named_parameters():
+        assert p.dtype == before[name].dtype and torch.equal(p, before[name]), name
