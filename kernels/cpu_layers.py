@@ -226,6 +226,8 @@ class FusedLayers:
                 for linears, packed in zip(_groups(layer), packs[layer].linears) if self.release else ():
                     if cpu_linear.release(linears, packed, keep):
                         self.released.append((linears, packed))
+                if self.release:
+                    cpu_linear.trim()  # (a layer's weights given up: their pages too)
                 self.tensors += packs[layer].tensors
                 layer.forward = _fused_forward(layer, packs[layer], kernels)
                 self.patched.append(layer)
@@ -240,6 +242,7 @@ class FusedLayers:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        self.decoder, self.tensors = None, []  # (their references to the packed copies, which `restore` gives up)
         for linears, packed in self.released:
             cpu_linear.restore(linears, packed)
         for module in self.patched:

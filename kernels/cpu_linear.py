@@ -14,6 +14,7 @@ engine a panel copy that holds its weight exactly (fp32; bf16 or fp16 as they ar
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 
 import torch
@@ -90,14 +91,16 @@ class PackedLinears:
             self.patched.append(module)
             if self.release and release([module], linear, keep):
                 self.released.append((module, linear))
+                trim()
         return self
 
     def __exit__(self, *exc_info) -> None:
+        self.tensors = []
         for module, linear in self.released:
             restore([module], linear)
         for module in self.patched:
             del module.forward  # back to nn.Linear.forward
-        self.patched, self.released, self.tensors = [], [], []
+        self.patched, self.released = [], []
 
 
 COMPUTE = ("fp32", "bf16")
@@ -155,7 +158,7 @@ class PanelLinear:
         self.compute = "bf16" if compute == "bf16" and weights[0].shape[1] % 32 == 0 else "fp32"
         """What the rows compute in."""
         if self.compute == "bf16":
-            self.packed = kernels.vnni_panels(self.packed)
+            self.packed = kernels.vnni_panels(self.packed)  # (in place)
         self.width = sum(w.shape[0] for w in weights)  # the kernel's outputs before gating
         self.out_features = self.width // 2 if gated else self.width
         if bias is not None and gated:  # in the panels' order: gate's 16 features, then up's 16, ...
@@ -209,14 +212,32 @@ def release(linears: list[nn.Linear], packed, keep: set[int]) -> bool:
     return True
 
 
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # (glibc's)
+    except (OSError, AttributeError):
+        return None
+
+
+def trim() -> None:
+    """Hand the pages of freed memory back to the OS, where the C library keeps them (glibc: a weight smaller than its
+    mmap threshold lives on the heap, and freeing it leaves its pages resident: 1.1B shape, bf16, entering an engine
+    held ~0.4 GiB more without this)."""
+    if (malloc_trim := _malloc_trim()) is not None:
+        malloc_trim(0)
+
+
 def released(m: nn.Linear) -> bool:
     """Whether `release` gave the weight of `m` up."""
     return m.weight.numel() == 0 < m.in_features * m.out_features
 
 
 def restore(linears: list[nn.Linear], packed: PanelLinear) -> None:
-    """Each of `linears` its weight again, unpacked from `packed` (in its own type; a tensor of its own)."""
+    """Each of `linears` its weight again, unpacked from `packed` (in its own type; a tensor of its own), which gives
+    its packed copy up (so that putting a model back holds one layer twice at most, not the whole model)."""
     stacked = packed.weight()
+    packed.packed = None
     blocks = stacked.split([m.out_features for m in linears])
     for m, w in zip(linears, blocks):
         m.weight.data = w.to(m.weight.dtype) if w.dtype != m.weight.dtype else w.clone() if len(linears) > 1 else w
@@ -229,18 +250,29 @@ def weights_of(linears: list[nn.Linear], packed) -> list[torch.Tensor]:
     return [m.weight.detach() for m in linears]
 
 
+ROUNDED_ROWS = 2048
+"""Output features `int8_weights` rounds at a time: its fp32 temporaries a few of those rows, not of the whole weight
+(a 3B model's LM head widened to fp32 is 1.6 GB, and rounding it whole held several such at once)."""
+
+
 def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight` [N, K] (fp32) rounded to int8 [N, K], each output feature on its own scale (its largest magnitude
-    / 127; 1 for an all-zero one), and those scales [N] fp32."""
-    top = weight.abs().amax(1, keepdim=True)
-    scale = torch.where(top > 0, top / 127, torch.ones_like(top))
-    return (weight / scale).round().clamp(-127, 127).to(torch.int8), scale.reshape(-1).contiguous()
+    """`weight` [N, K] (fp32, bf16 or fp16: computed in fp32) rounded to int8 [N, K], each output feature on its own
+    scale (its largest magnitude / 127; 1 for an all-zero one), and those scales [N] fp32."""
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0])
+    for start in range(0, weight.shape[0], ROUNDED_ROWS):
+        rows = weight[start : start + ROUNDED_ROWS].float()
+        top = rows.abs().amax(1, keepdim=True)
+        scale = torch.where(top > 0, top / 127, torch.ones_like(top))
+        q[start : start + ROUNDED_ROWS] = (rows / scale).round().clamp(-127, 127)
+        scales[start : start + ROUNDED_ROWS] = scale.reshape(-1)
+    return q, scales
 
 
 def pack_int8(weights: list[torch.Tensor], activations: bool = False) -> torch.Tensor:
     """The row blocks `weights` stacked and rounded (`int8_weights`), packed for `panel_linear`; `activations`:
     for int8 activations too (`pack_panels_w8a8`; the input width a multiple of 32)."""
-    rounded = [int8_weights(w.detach().float()) for w in weights]
+    rounded = [int8_weights(w.detach()) for w in weights]
     pack = native.load().pack_panels_w8a8 if activations else native.load().pack_panels_int8
     return pack([q for q, _ in rounded], torch.cat([s for _, s in rounded]))
 
@@ -251,8 +283,9 @@ def head_screen(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     their scales [V], each scale times the feature's sum of int8 magnitudes [V], and the same per block of 32
     inputs, [K / 32, V] and [V, K / 32]."""
     weight = weight.detach().contiguous()
-    q, scale = int8_weights(weight.float())
-    magnitudes = q.abs().float().view(q.shape[0], -1, 32).sum(-1)  # (integers: exact in fp32)
+    q, scale = int8_weights(weight)
+    magnitudes = torch.cat([q[start : start + ROUNDED_ROWS].abs().float().view(-1, q.shape[1] // 32, 32).sum(-1)
+                            for start in range(0, q.shape[0], ROUNDED_ROWS)])  # (integers: exact in fp32)
     blocks = magnitudes * scale[:, None]
     return (weight, native.load().pack_panels_w8a8([q], scale), scale, (magnitudes.sum(1) * scale).contiguous(),
             blocks.t().contiguous(), blocks)

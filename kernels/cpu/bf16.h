@@ -234,21 +234,23 @@ static void vnni_rows(const float* xp, int64_t m, const Panels& w, float* yp, bo
 }
 
 // bf16 panels from `pack_panels` / `pack_panels_gated` ([P, K, 16], K a multiple of 32) as `vnni_rows` takes them
-// ([P, K / 2, 16, 2]).
+// ([P, K / 2, 16, 2]), re-laid in place (a view of `packed`'s storage: no second copy while packing).
 torch::Tensor vnni_panels(torch::Tensor packed) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PANEL && packed.scalar_type() == torch::kBFloat16 &&
               packed.is_contiguous() && packed.size(1) % BF16_BLOCK == 0,
               "vnni_panels: bf16 panels from pack_panels, the input width a multiple of 32");
   const int64_t panels = packed.size(0), k = packed.size(1);
-  auto out = huge_page_tensor({panels, k / 2, PANEL, 2}, torch::kBFloat16);
-  const uint16_t* ip = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  uint16_t* data = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
+    std::vector<uint16_t> panel(k * PANEL);  // one panel as it was
+    for (int64_t p = begin; p < end; ++p) {
+      uint16_t* op = data + p * k * PANEL;
+      std::copy(op, op + k * PANEL, panel.begin());
       for (int64_t c = 0; c < k; ++c)
-        for (int64_t j = 0; j < PANEL; ++j) op[p * k * PANEL + (c / 2) * 2 * PANEL + 2 * j + c % 2] = ip[(p * k + c) * PANEL + j];
+        for (int64_t j = 0; j < PANEL; ++j) op[(c / 2) * 2 * PANEL + 2 * j + c % 2] = panel[c * PANEL + j];
+    }
   });
-  return out;
+  return packed.view({panels, k / 2, PANEL, 2});
 }
 
 static const char* const BF16_UNITS[] = {"portable", "avx512-bf16", "amx"};
