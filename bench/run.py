@@ -270,6 +270,7 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
             serving = time.perf_counter() - t0
             if decoder is not None:
                 stats.attention_s = decoder.native.attention_seconds - attention
+            decoder = None  # (held past the exit, it would keep the packed copies while the weights are put back)
             stats.memory = engine.memory()  # (entered: the packed parts are there)
 
     anyio.run(main)

@@ -120,6 +120,10 @@ class SimulatedDecoder:
 
     draft = None
 
+    @staticmethod
+    def draft_bytes() -> int:
+        return 0  # (a simulated draft takes no memory)
+
 
 class InlineForward:
     """Stands in for the engine's `ForwardThread` once entered: a simulated step costs microseconds, so it runs

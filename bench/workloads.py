@@ -138,9 +138,13 @@ MODEL_SHAPES = {
         hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
         intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
         max_position_embeddings=131072)),
+    "mistral-7b-random": ("MistralConfig", "MistralForCausalLM", dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        intermediate_size=14336, vocab_size=32768, rope_theta=1000000.0, sliding_window=None,
+        max_position_embeddings=32768)),
 }
 """Models benchmarked by their shape (random weights; `jitney bench --model NAME`): TinyLlama-1.1B's, Qwen3-0.6B's,
-Gemma-3-270M's and Llama-3.2-3B's (config class, model class, config fields)."""
+Gemma-3-270M's, Llama-3.2-3B's and Mistral-7B-v0.3's (config class, model class, config fields)."""
 
 
 def shaped_model(name: str, dtype=None):

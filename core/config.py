@@ -165,8 +165,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     checks them all; a request gets the model's own tokens up to the first it disagrees with, the same tokens
     as without. Where the one-call decoder runs (fused fp32 Llama-like models on CPU, every layer full attention)
     and decode steps are not padded. `None`: 8 (`engine.DRAFT_TOKENS`), or 0 with async batching (speculative
-    steps are not chained) or int8 `weights` (the draft would be the model itself); 0: off. Costs an int8 copy
-    of the weights (a quarter of their size; none with int8 `weights`)."""
+    steps are not chained) or int8 `weights` (the draft would be the model itself), or where the draft, the whole KV
+    cache and 1 GiB would not fit in the memory available once the weights are packed (a warning says so); 0: off.
+    Costs an int8 copy of the weights (a quarter of fp32's size, half of bf16's; none with int8 `weights`)."""
     speculative_max_rows: PositiveInt = 16
     """Speculate only in steps of at most this many rows, proposals included (with more requests decoding,
     fewer proposals each, and none below two each): a step of a few rows is bound by reading the weights,

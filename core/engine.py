@@ -14,6 +14,7 @@ import anyio
 import msgspec
 import torch
 
+from jitney.cache.sizing import available_memory
 from jitney.core import assembly
 from jitney.core import events as ev
 from jitney.core import lookup
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jitney")
 
+DRAFT_MARGIN = 1 << 30
+"""Memory left over, beside the draft and the whole KV cache, for speculation to be on by default (bytes)."""
 DRAFT_TOKENS = 8
 """The draft's proposals a request by default (`EngineConfig.speculative_tokens`; `speculative_max_rows` caps them
 by the step's rows: 7 for two requests, 4 for three). The int8 draft agrees with the model on ~96% of next
@@ -173,6 +176,14 @@ class Engine:
                             "jitney's C++ kernels) and unpadded decode steps: decoding without it", name, asked)
         if k is None:  # (with int8 weights the draft is the model itself: no faster, docs/benchmarks.md)
             k = 0 if self.async_batching or self.config.weights in ("int8", "w8a8") else DRAFT_TOKENS
+            if k and able:  # (a model near the machine's memory: the draft would leave the cache none to grow in)
+                draft, cache = self.executor.decoder.draft_bytes(), self.cache.bytes_allocated
+                free = available_memory(self.executor.device)
+                if draft + cache + DRAFT_MARGIN > free:
+                    log.warning("speculative decoding off: its int8 draft (%.1f GiB) and the KV cache (%.1f GiB) would "
+                                "not fit in the memory available (%.1f GiB); speculative_tokens=8 asks for it anyway",
+                                draft / 2**30, cache / 2**30, free / 2**30)
+                    k = 0
         if lookup is None:
             lookup = 0 if self.async_batching else 4
         return (k, lookup) if able else (0, 0)

@@ -369,6 +369,14 @@ class FusedDecoder:
             cos, sin = (torch.cat(t) for t in zip(*(rotary(x, positions, kind) for kind in self.rope_types)))
         return cos.contiguous(), sin.contiguous()
 
+    def draft_bytes(self) -> int:
+        """What `draft` holds once packed: a byte a weight and a scale an output feature (none where it is the
+        decoder itself)."""
+        if self._draft is not None:
+            return sum(t.numel() * t.element_size() for t in self.draft_tensors)
+        linears = [m for layer in self.model.model.layers for group in _groups(layer) for m in group]
+        return sum(m.out_features * (m.in_features + 4) for m in linears + [self.model.lm_head])
+
     @property
     def draft(self):
         """The same decoder over int8 copies of the weights (each output feature on its own scale: a quarter of

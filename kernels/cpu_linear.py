@@ -250,29 +250,17 @@ def weights_of(linears: list[nn.Linear], packed) -> list[torch.Tensor]:
     return [m.weight.detach() for m in linears]
 
 
-ROUNDED_ROWS = 2048
-"""Output features `int8_weights` rounds at a time: its fp32 temporaries a few of those rows, not of the whole weight
-(a 3B model's LM head widened to fp32 is 1.6 GB, and rounding it whole held several such at once)."""
-
-
 def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight` [N, K] (fp32, bf16 or fp16: computed in fp32) rounded to int8 [N, K], each output feature on its own
-    scale (its largest magnitude / 127; 1 for an all-zero one), and those scales [N] fp32."""
-    q = torch.empty(weight.shape, dtype=torch.int8)
-    scales = torch.empty(weight.shape[0])
-    for start in range(0, weight.shape[0], ROUNDED_ROWS):
-        rows = weight[start : start + ROUNDED_ROWS].float()
-        top = rows.abs().amax(1, keepdim=True)
-        scale = torch.where(top > 0, top / 127, torch.ones_like(top))
-        q[start : start + ROUNDED_ROWS] = (rows / scale).round().clamp(-127, 127)
-        scales[start : start + ROUNDED_ROWS] = scale.reshape(-1)
-    return q, scales
+    scale (its largest magnitude / 127; 1 for an all-zero one; to nearest even), and those scales [N] fp32 (C++,
+    `int8_rows`: one pass, no widened copy)."""
+    return native.load().int8_rows(weight.detach())
 
 
 def pack_int8(weights: list[torch.Tensor], activations: bool = False) -> torch.Tensor:
     """The row blocks `weights` stacked and rounded (`int8_weights`), packed for `panel_linear`; `activations`:
     for int8 activations too (`pack_panels_w8a8`; the input width a multiple of 32)."""
-    rounded = [int8_weights(w.detach()) for w in weights]
+    rounded = [int8_weights(w) for w in weights]
     pack = native.load().pack_panels_w8a8 if activations else native.load().pack_panels_int8
     return pack([q for q, _ in rounded], torch.cat([s for _, s in rounded]))
 
@@ -284,8 +272,8 @@ def head_screen(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     inputs, [K / 32, V] and [V, K / 32]."""
     weight = weight.detach().contiguous()
     q, scale = int8_weights(weight)
-    magnitudes = torch.cat([q[start : start + ROUNDED_ROWS].abs().float().view(-1, q.shape[1] // 32, 32).sum(-1)
-                            for start in range(0, q.shape[0], ROUNDED_ROWS)])  # (integers: exact in fp32)
+    magnitudes = torch.cat([q[start : start + 4096].abs().float().view(-1, q.shape[1] // 32, 32).sum(-1)
+                            for start in range(0, q.shape[0], 4096)])  # (a few features at a time; exact in fp32)
     blocks = magnitudes * scale[:, None]
     return (weight, native.load().pack_panels_w8a8([q], scale), scale, (magnitudes.sum(1) * scale).contiguous(),
             blocks.t().contiguous(), blocks)

@@ -172,3 +172,7 @@ def test_shaped_models_are_built_in_the_dtype_asked():
         model = shaped_model("llama3.2-3b-random", torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # (never an fp32 copy on the way)
     assert 3.2e9 < sum(p.numel() for p in model.parameters()) < 3.3e9  # Llama 3.2 3B's, the head tied
+    with torch.device("meta"):
+        model = shaped_model("mistral-7b-random", torch.bfloat16)
+    assert 7.2e9 < sum(p.numel() for p in model.parameters()) < 7.3e9  # Mistral 7B v0.3's, 32,768 tokens
+    assert model.config.sliding_window is None  # (full attention: the one-call decoder and speculation serve it)

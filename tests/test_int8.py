@@ -101,20 +101,21 @@ def test_int8_linear_matches_its_reference():
         cpu_linear.PanelLinear([w[:16], w[16:32]], None, gated=True, quantized="int8")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_rounding_is_per_feature_whatever_the_chunks(dtype, monkeypatch):
-    """`int8_weights` rounds a few thousand features at a time (its fp32 temporaries stay small): the same as the
-    whole weight rounded at once, an all-zero feature on scale 1, across the chunks' edges."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_rounding_is_torchs_per_feature(dtype):
+    """`int8_weights` (C++, one pass a feature) rounds as torch does over the widened weight: each feature on its
+    largest magnitude / 127, to nearest even (ties included), an all-zero feature on scale 1."""
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(37, 64, generator=g) * torch.rand(37, 1, generator=g) * 4).to(dtype)
     w[9] = 0
-    monkeypatch.setattr(cpu_linear, "ROUNDED_ROWS", 8)
+    w[4, :3] = torch.tensor([127.0, 0.5, -1.5])  # (on scale 1: ties, to even)
     q, scale = cpu_linear.int8_weights(w)
     whole = w.float()
     top = whole.abs().amax(1, keepdim=True)
     expected = torch.where(top > 0, top / 127, torch.ones_like(top))
-    assert torch.equal(scale, expected.reshape(-1)) and scale[9] == 1
+    assert torch.equal(scale, expected.reshape(-1)) and scale[9] == 1 and scale[4] == 1
     assert torch.equal(q, (whole / expected).round().clamp(-127, 127).to(torch.int8))
+    assert q[4, :3].tolist() == [127, 0, -2]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 40])

@@ -3,6 +3,8 @@ copies, the draft and the screen only where they are built, the KV cache reserve
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from support import tiny_llama
@@ -70,3 +72,23 @@ async def test_packed_copies_hold_the_layers_weights_instead_of_the_model(dtype,
             assert len([t async for t in stream]) == 4
     for name, p in model.named_parameters():
         assert p.dtype == before[name].dtype and torch.equal(p, before[name]), name
+
+
+async def test_speculation_is_off_by_default_where_its_draft_would_not_fit(monkeypatch, caplog):
+    """By default the int8 draft is packed only where it, the whole KV cache and a margin fit in the memory
+    available (a model near the machine's size serves without it, saying so); asked for, it is packed anyway."""
+    model = tiny_llama()
+    config = dict(num_blocks=64, block_size=4)
+    async with Engine(model, config=EngineConfig(**config, speculative_tokens=0)) as engine:
+        estimate = engine.executor.decoder.draft_bytes()  # (the draft not packed: from the shapes)
+        cache = engine.cache.bytes_allocated
+    async with Engine(model, config=EngineConfig(**config)) as engine:
+        assert engine.speculate > 0 and engine.memory().draft == pytest.approx(estimate, rel=0.1)
+    free = estimate + cache + (1 << 30) - 1
+    monkeypatch.setattr("jitney.core.engine.available_memory", lambda device: free)
+    with caplog.at_level(logging.WARNING, logger="jitney"):
+        async with Engine(model, config=EngineConfig(**config)) as engine:
+            assert engine.speculate == 0 and engine.memory().draft == 0
+    assert "speculative decoding off" in caplog.text
+    async with Engine(model, config=EngineConfig(**config, speculative_tokens=4)) as engine:
+        assert engine.speculate == 4 and engine.memory().draft > 0
