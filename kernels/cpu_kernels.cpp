@@ -48,6 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels_gated", &pack_panels_gated);
   m.def("pack_panels_int8", &pack_panels_int8);
   m.def("int8_rows", &int8_rows);
+  m.def("int8_from_panels", &int8_from_panels);
   m.def("pack_panels_w8a8", &pack_panels_w8a8);
   m.def("vnni_panels", &vnni_panels);
   m.def("bf16_unit", &bf16_unit, py::arg("set") = py::none());

@@ -383,15 +383,14 @@ class FusedDecoder:
         the fp32 weights' memory; packed at the first use), which proposes the tokens `speculate` checks. With
         quantized weights, the decoder itself."""
         if self._draft is None:
-            pack = cpu_linear.pack_int8
             layers = []
             for layer in self.model.model.layers:
                 packed = []
                 for linears, own in zip(_groups(layer), self.packs[layer].linears):
-                    packed += [pack(cpu_linear.weights_of(linears, own)), _stacked_bias(linears)]
+                    packed += [cpu_linear.int8_copy(linears, own), _stacked_bias(linears)]
                 layers.append(packed)
             head = self.model.lm_head
-            head_packed, head_bias = pack([head.weight.detach()]), _stacked_bias([head])
+            head_packed, head_bias = cpu_linear.pack_int8([head.weight.detach()]), _stacked_bias([head])
             self._draft = self._native(layers, head_packed, head_bias)
             self.draft_tensors = [t for t in (*(t for packed in layers for t in packed), head_packed, head_bias)
                                   if t is not None]

@@ -243,11 +243,15 @@ def restore(linears: list[nn.Linear], packed: PanelLinear) -> None:
         m.weight.data = w.to(m.weight.dtype) if w.dtype != m.weight.dtype else w.clone() if len(linears) > 1 else w
 
 
-def weights_of(linears: list[nn.Linear], packed) -> list[torch.Tensor]:
-    """The weights of `linears`, stacked where `release` gave them up to `packed`, else as they are."""
-    if any(released(m) for m in linears):
-        return [packed.weight()]
-    return [m.weight.detach() for m in linears]
+def int8_copy(linears: list[nn.Linear], packed) -> torch.Tensor:
+    """`pack_int8` of the weights of `linears` stacked (the speculative draft's), from `packed` where `release` gave
+    them up to it: straight from its bf16 panels (C++ `int8_from_panels`: one pass, nothing unpacked), else from the
+    weights it unpacks."""
+    if not any(released(m) for m in linears):
+        return pack_int8([m.weight.detach() for m in linears])
+    if packed.packed.dtype == torch.bfloat16:
+        return native.load().int8_from_panels(packed.packed, packed.width, packed.gated)
+    return pack_int8([packed.weight()])
 
 
 def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -118,6 +118,19 @@ def test_int8_rounding_is_torchs_per_feature(dtype):
     assert q[4, :3].tolist() == [127, 0, -2]
 
 
+@pytest.mark.parametrize("gated, compute, n", [(False, "fp32", 40), (False, "bf16", 40), (True, "fp32", 64),
+                                               (True, "bf16", 64)])
+def test_the_draft_packs_from_bf16_panels_as_from_the_weights(gated, compute, n):
+    """A bf16 linear's int8 copy (the speculative draft's) made straight from its packed panels (plain, VNNI pairs,
+    gated MLP's in turns, a last panel part-filled) is `pack_int8` of its weights stacked, byte for byte."""
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(n // 2, 64, generator=g).to(torch.bfloat16) for _ in range(2)]
+    linear = cpu_linear.PanelLinear(weights, None, gated=gated, compute=compute)
+    assert linear.packed.dim() == (4 if compute == "bf16" else 3)
+    from_panels = native.load().int8_from_panels(linear.packed, linear.width, gated)
+    assert torch.equal(from_panels, cpu_linear.pack_int8(weights))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 40])
 def test_w8a8_linear_matches_its_reference(rows):
     g = torch.Generator().manual_seed(rows)

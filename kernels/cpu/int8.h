@@ -410,3 +410,39 @@ std::tuple<torch::Tensor, torch::Tensor> int8_rows(torch::Tensor w) {
   }
   return {q, scales};
 }
+
+// The int8 copy of a packed bf16 linear (`pack_panels` or `pack_panels_gated` panels, or `vnni_panels`' pairs, of `n`
+// output features) as `pack_panels_int8` packs `int8_rows`' rounding of its weights, in one pass over the panels
+// without unpacking them (a gated MLP's gate features first, then up's, as the speculative draft stacks them).
+torch::Tensor int8_from_panels(torch::Tensor packed, int64_t n, bool gated) {
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() && (packed.dim() == 3 || packed.dim() == 4),
+              "int8_from_panels: bf16 panels from pack_panels, pack_panels_gated or vnni_panels");
+  const bool vnni = packed.dim() == 4;
+  const int64_t panels = packed.size(0), k = vnni ? packed.size(1) * 2 : packed.size(1);
+  TORCH_CHECK(panels == (n + PANEL - 1) / PANEL && (!gated || n % (2 * PANEL) == 0),
+              "int8_from_panels: ", n, " output features do not fill ", panels, " panels");
+  const int64_t width = k * PANEL + PANEL * 4;
+  auto out = huge_page_tensor({panels, width}, torch::kChar);
+  const at::BFloat16* ip = packed.data_ptr<at::BFloat16>();
+  int8_t* op = out.data_ptr<int8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> column(k);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t to = gated ? (p % 2 ? panels / 2 + p / 2 : p / 2) : p;  // (gated: gate, up, gate, up, ...)
+      const at::BFloat16* panel = ip + p * k * PANEL;
+      int8_t* qp = op + to * width;
+      for (int64_t j = 0; j < PANEL && to * PANEL + j < n; ++j) {
+        float top = 0.f;
+        for (int64_t c = 0; c < k; ++c) {
+          column[c] = static_cast<float>(panel[vnni ? (c / 2) * 2 * PANEL + 2 * j + c % 2 : c * PANEL + j]);
+          top = std::max(top, std::fabs(column[c]));
+        }
+        const float scale = top > 0.f ? top / 127.f : 1.f;
+        for (int64_t c = 0; c < k; ++c)
+          qp[c * PANEL + j] = static_cast<int8_t>(std::clamp(std::nearbyint(column[c] / scale), -127.f, 127.f));
+        std::memcpy(qp + k * PANEL + j * 4, &scale, 4);
+      }
+    }
+  });
+  return out;
+}
