@@ -370,10 +370,8 @@ class FusedDecoder:
         return cos.contiguous(), sin.contiguous()
 
     def draft_bytes(self) -> int:
-        """What `draft` holds once packed: a byte a weight and a scale an output feature (none where it is the
-        decoder itself)."""
-        if self._draft is not None:
-            return sum(t.numel() * t.element_size() for t in self.draft_tensors)
+        """What `draft` will hold once packed, from the shapes (before it is: `Engine._plan_speculation` asks
+        whether it fits): a byte a weight and a scale an output feature."""
         linears = [m for layer in self.model.model.layers for group in _groups(layer) for m in group]
         return sum(m.out_features * (m.in_features + 4) for m in linears + [self.model.lm_head])
 

@@ -240,7 +240,7 @@ def restore(linears: list[nn.Linear], packed: PanelLinear) -> None:
     packed.packed = None
     blocks = stacked.split([m.out_features for m in linears])
     for m, w in zip(linears, blocks):
-        m.weight.data = w.to(m.weight.dtype) if w.dtype != m.weight.dtype else w.clone() if len(linears) > 1 else w
+        m.weight.data = w.to(m.weight.dtype, copy=len(linears) > 1)  # (a block of several: not a view of them all)
 
 
 def int8_copy(linears: list[nn.Linear], packed) -> torch.Tensor:
