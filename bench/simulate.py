@@ -100,7 +100,7 @@ class SimulatedForward:
         seconds = self.profile.predict(features(prepared.step, len(prepared.params), k))
         self.clock.now += seconds
         self.executor.forward_s = seconds
-        self.executor.row_errors = {}
+        self.executor.row_errors, self.executor.row_logprobs = {}, {}
         self.steps += 1
         result = [None] * prepared.num_entries
         for i, count in zip(prepared.sampled_entries, prepared.samples_per_entry):
@@ -142,7 +142,7 @@ class InlineForward:
             done.set_result(prepared_or_fn(*args))
         else:
             tokens = self.executor.forward(prepared_or_fn, started=lambda: None)
-            done.set_result((tokens, self.executor.forward_s, self.executor.row_errors))
+            done.set_result((tokens, self.executor.forward_s, self.executor.row_errors, self.executor.row_logprobs))
         return done
 
     def then(self, running, prepared, rows) -> None:

@@ -18,6 +18,7 @@ from jitney.cache.sizing import available_memory
 from jitney.core import assembly
 from jitney.core import events as ev
 from jitney.core import lookup
+from jitney.core import processors
 from jitney.core import selfcheck
 from jitney.core.config import EngineConfig
 from jitney.core.executor import ForwardThread, PreparedStep, StepExecutor
@@ -68,6 +69,9 @@ class Engine:
         mc = model.config.get_text_config()
         self.max_context = getattr(mc, "max_position_embeddings", None) or math.inf
         self.vocab_size = mc.vocab_size
+        # (each made with the engine: a processor may read its tokenizer, vocabulary size, config)
+        self.logits_processors = {name: factory(self) for name, factory in
+                                  registry(self.plugins, "logits processor").factories.items()}
         param = next(model.parameters())
         half = assembly.half_fused(config, model)  # (a bf16 / fp16 model computed in fp32 over its weights)
         backend_name = config.attention_backend or ("cpu" if half else assembly.default_attention(param))
@@ -250,6 +254,10 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if request.params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer to read the text; give the engine one, or use stop_token_ids")
+        bias = request.params.logit_bias
+        if bias and max(bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias names token {max(bias)}; the model's vocabulary has {self.vocab_size}")
+        chain = processors.chain(request.params, self.logits_processors)
         prompt_ids = self._encode(request.prompt)
         total = len(prompt_ids) + request.params.max_new_tokens
         if total > self.max_context:
@@ -268,6 +276,8 @@ class Engine:
         # Further samples wait on the first one and fork from it once the prompt is in the cache.
         seq.forks = [Sequence(request, prompt_ids, stop, self._arrivals, seq.collector, i, request_id, seq.t_queued)
                      for i in range(1, request.params.n)]
+        for sample in (seq, *seq.forks):
+            sample.processors = chain
         self._arrivals += 1
         self.requests[request_id] = seq.collector
         self.waiting.append(seq)
@@ -384,7 +394,7 @@ class Engine:
                 ahead = None
             chained = None if ahead is None else forward.then(running, ahead[1], ahead[2])
             try:
-                tokens, forward_s, row_errors = await forward.wait(running)
+                tokens, forward_s, row_errors, row_logprobs = await forward.wait(running)
             except Exception as exc:  # a failing forward fails its batch, not the engine
                 self._forward_failed(entries, exc)
                 return
@@ -402,6 +412,8 @@ class Engine:
             speculative = drafts or guesses
             if guesses:
                 lookup.learn(entries, guesses, tokens)
+            if row_logprobs:
+                _keep_logprobs(entries, row_logprobs)
             self._apply_runs(entries, tokens) if speculative else self._apply(entries, tokens)
             accepted = sum(len(run) - 1 for run in tokens) if speculative else 0
             proposed = sum(map(len, guesses)) if guesses else drafts * len(entries)
@@ -447,8 +459,8 @@ class Engine:
         for i, (seq, n) in enumerate(entries):
             if seq.status.done:
                 continue
-            if n != 1 or seq.num_computed + 1 != seq.num_tokens or seq.forks:
-                return None
+            if n != 1 or seq.num_computed + 1 != seq.num_tokens or seq.forks or seq.needs_logits:
+                return None  # (a row that reads its whole logits is shaped by the token the running step samples)
             if len(seq.output_ids) + 1 < seq.params.max_new_tokens:  # not ending on length this step
                 if not self.cache.reserve(seq.request_id, seq.num_tokens + 1):
                     return None
@@ -676,6 +688,16 @@ class Engine:
 
 
 _NO_STOPS: frozenset[int] = frozenset()
+
+
+def _keep_logprobs(entries: list[tuple[Sequence, int]], row_logprobs: dict[int, list]) -> None:
+    """Note the logprobs of a step's tokens on their samples, before the tokens are handed out: a prompt that is
+    done gives its first sample the first, and the samples forking from it the others, in order."""
+    for i, logprobs in row_logprobs.items():
+        seq = entries[i][0]
+        for sample, lp in zip([seq, *seq.forks], logprobs):
+            if sample.logprobs is not None:
+                sample.logprobs.append(lp)
 
 
 def prompt_tokens(entries: list[tuple[Sequence, int]]) -> int:

@@ -16,7 +16,8 @@ import torch
 from jitney.cache.manager import CacheManager
 from jitney.core.graphs import StaticDecoder, StaticDecodeStep
 from jitney.core.request import SamplingParams
-from jitney.core.sampling import sample
+from jitney.core.processors import Row
+from jitney.core.sampling import Logprobs, sample
 from jitney.core.sequence import Sequence
 from jitney.kernels.base import STEP_KWARG, AttentionBackend, StepInputs, int_tensor
 
@@ -45,6 +46,9 @@ class PreparedStep:
     proposals: list[list[int]] | None = None
     """Guesses at each entry's next tokens (a decode-only step of greedy rows; `core/lookup`, checked by
     `FusedDecoder.check`): each entry then gets one to ``len + 1`` tokens."""
+    rows: list[Row | None] | None = None
+    """Per sample (as `params`), what its logits processors read (None for a row without any); None when no row
+    of the step needs its whole logits (`SamplingParams.needs_logits`)."""
 
 
 class StepExecutor:
@@ -67,6 +71,7 @@ class StepExecutor:
         self.compute_stream = torch.cuda.Stream(self.device) if cuda else None
         self.forward_s = 0.0  # time of the latest forward + sampling
         self.row_errors: dict[int, str] = {}  # the latest forward's entries whose sampling failed, and why
+        self.row_logprobs: dict[int, list[Logprobs]] = {}  # its entries' logprobs (one per sample), where asked for
 
     def prepare(self, entries: list[tuple[Sequence, int]], ahead: bool = False, speculate: int = 0,
                 proposals: list[list[int]] | None = None) -> PreparedStep:
@@ -96,18 +101,20 @@ class StepExecutor:
         # every row a decode that samples once (no forks)
         plain = len(sampled_entries) == len(entries) == len(ids) and not any(s.forks for s in seqs)
         if plain:
+            samplers = seqs
             params, generators = [s.params for s in seqs], [s.generator for s in seqs]
             samples_per_entry = [1] * len(entries)
         else:
-            samplers = [[entries[i][0]] + entries[i][0].forks for i in sampled_entries]
-            params = [s.params for group in samplers for s in group]
-            generators = [s.generator for group in samplers for s in group]
-            samples_per_entry = [len(group) for group in samplers]
+            groups = [[entries[i][0]] + entries[i][0].forks for i in sampled_entries]
+            samplers = [s for group in groups for s in group]
+            params, generators = [s.params for s in samplers], [s.generator for s in samplers]
+            samples_per_entry = [len(group) for group in groups]
+        rows = _rows(samplers)
         if self.static is not None and plain:  # the step runs at a padded shape (decodes keep their order)
             return PreparedStep(
                 num_entries=len(entries), input_ids=None, positions=None, keep=None, step=None,
                 sampled_entries=sampled_entries, samples_per_entry=samples_per_entry, params=params,
-                generators=generators, static=self.static.prepare(
+                generators=generators, rows=rows, static=self.static.prepare(
                     ids, positions, [cache.block_tables(request_ids, g) for g in range(len(cache.groups))]),
             )
         tables = [cache.block_table_tensor(request_ids, g).to(self.device) for g in range(len(cache.groups))]
@@ -121,7 +128,7 @@ class StepExecutor:
             num_entries=len(entries), input_ids=int_tensor(ids, self.device)[None], positions=pos,
             keep=int_tensor(sampled_rows or [len(ids) - 1], self.device), step=step,
             sampled_entries=sampled_entries, samples_per_entry=samples_per_entry, params=params,
-            generators=generators,
+            generators=generators, rows=rows,
         )
 
     @staticmethod
@@ -189,7 +196,7 @@ class StepExecutor:
         one-call decoder; at once on other paths): see `ForwardThread`."""
         t0 = time.perf_counter()
         p = prepared
-        self.row_errors = {}
+        self.row_errors, self.row_logprobs = {}, {}
         stream = self.compute_stream
         if stream is not None:
             stream.wait_stream(self.copy_stream)
@@ -211,18 +218,20 @@ class StepExecutor:
 
     def _forward(self, p: PreparedStep, started: Callable[[], None], result: list[list[int] | None]) -> None:
         if (self.decoder is not None and p.static is None and p.sampled_entries and len(p.params) == len(p.sampled_entries)
-                and all(s.greedy for s in p.params)):
-            tokens, errors = self._decoded(p, started, greedy=True).tolist(), {}  # (no logits: the head's screen)
+                and p.rows is None and all(s.greedy for s in p.params)):
+            tokens, errors, logprobs = self._decoded(p, started, greedy=True).tolist(), {}, {}  # (the head's screen)
         else:
             logits, argmax = self.logits(p, started)
             if not p.sampled_entries:
                 return
             if len(p.params) > len(p.sampled_entries):  # forking rows draw several tokens from one row
                 logits = logits.repeat_interleave(torch.tensor(p.samples_per_entry, device=logits.device), dim=0)
-            tokens, errors = sample(logits, p.params, p.generators, argmax)
+            tokens, errors, logprobs = sample(logits, p.params, p.generators, argmax, p.rows)
         start = 0
         for i, count in zip(p.sampled_entries, p.samples_per_entry):
             result[i] = tokens[start : start + count]
+            if logprobs and start in logprobs:  # (a request's samples all ask for them, or none)
+                self.row_logprobs[i] = [logprobs[r] for r in range(start, start + count) if r in logprobs]
             if errors:
                 why = next((errors[r] for r in range(start, start + count) if r in errors), None)
                 if why is not None:
@@ -313,7 +322,7 @@ class ForwardThread:
                 if token_ids is not None:
                     self.executor.set_tokens(prepared, token_ids)
                 tokens = self.executor.forward(prepared, started=hand_out)
-                result = (tokens, self.executor.forward_s, self.executor.row_errors)
+                result = (tokens, self.executor.forward_s, self.executor.row_errors, self.executor.row_logprobs)
             except BaseException as exc:  # the queued step (its batch fails too) does not run
                 hand_out()
                 with self._lock:
@@ -332,6 +341,15 @@ class ForwardThread:
             ended = (done, result)
             prepared, rows, done = queued
             token_ids = [tokens[i][0] for i in rows]
+
+
+def _rows(samplers: list[Sequence]) -> list[Row | None] | None:
+    """What each sample's logits processors read (`PreparedStep.rows`), its output copied: the event loop appends
+    to it while the forward runs. None for a step of plain rows (the common step: one pass over them)."""
+    if not any(s.needs_logits for s in samplers):
+        return None
+    return [Row(s.params, s.prompt_ids, tuple(s.output_ids), s.stop_ids, s.processors) if s.processors else None
+            for s in samplers]
 
 
 def _started_future() -> Future:

@@ -63,6 +63,14 @@ class Hookspecs:
         """
 
     @hookspec
+    def jitney_register_logits_processors(self, register: Callable[[str, Callable[..., Any]], None]) -> None:
+        """Register logits processor factories, called once when an engine starts.
+
+        Call ``register(name, factory)``; ``factory(engine)`` returns a callable ``(logits, row) -> logits``
+        (`jitney.core.processors`). A request names the ones its rows run in ``SamplingParams(processors=...)``.
+        """
+
+    @hookspec
     def jitney_engine_started(self, engine: Any) -> None:
         """The engine's step loop has started."""
 
@@ -96,6 +104,7 @@ ROLES = {
     "offload backend": "jitney_register_offload_backends",
     "attention backend": "jitney_register_attention_backends",
     "router": "jitney_register_routers",
+    "logits processor": "jitney_register_logits_processors",
 }
 """Each plugin role and the registration hook that fills it."""
 

@@ -29,6 +29,27 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Strings that end the request once its text contains one; the text returned stops before it."""
     n: int = 1
     """Parallel samples of the prompt; they share its cache blocks (sample i is seeded with seed + i)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the sample has generated so far (OpenAI's definition, -2 to 2)."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per time a token was generated so far (OpenAI's definition, -2 to 2)."""
+    repetition_penalty: float = 1.0
+    """transformers' penalty on every token of the prompt and the output: a logit above 0 divided by it, one
+    below multiplied (1 = none; 0.01 to 100)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than `min_p` times the likeliest one (after the temperature; 0 = none)."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before anything else (OpenAI's `logit_bias`, -100 to 100)."""
+    min_tokens: int = 0
+    """Stop tokens cannot be drawn before this many tokens are generated (stop strings still apply)."""
+    processors: tuple[str, ...] = ()
+    """Logits processors registered by plugins (`jitney_register_logits_processors`) to run on this request's rows,
+    in order, after the built-in ones its params ask for (docs/plugins.md)."""
+    extra_args: dict | None = None
+    """Anything the request's processors read (`row.params.extra_args`)."""
+    logprobs: int | None = None
+    """Report each token's log-probability and the `logprobs` likeliest alternatives (0 to 20) under the model's
+    own distribution (its logits before penalties, bias, temperature or filters); None: none."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -43,11 +64,42 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"SamplingParams.n must be >= 1 (got {self.n})")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1] (got {self.top_p})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2] (got {getattr(self, name)})")
+        if not 0.01 <= self.repetition_penalty <= 100.0:  # (beyond, a logit divided by it overflows float32)
+            raise ValueError(f"SamplingParams.repetition_penalty must be in [0.01, 100] (got {self.repetition_penalty})")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1] (got {self.min_p})")
+        if any(not -100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()):
+            raise ValueError("SamplingParams.logit_bias values must be in [-100, 100]")
+        if any(t < 0 for t in (self.logit_bias or {})):
+            raise ValueError("SamplingParams.logit_bias keys must be token ids >= 0")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"SamplingParams.min_tokens must be in [0, max_new_tokens] (got {self.min_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"SamplingParams.logprobs must be in [0, {MAX_LOGPROBS}] or None (got {self.logprobs})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def shaped(self) -> bool:
+        """Whether logits processors edit its row before the token is chosen (penalties, bias, `min_tokens`, those
+        it names)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.processors)
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether its row needs the step's whole logits: shaped, or reporting logprobs. Such rows take no
+        shortcut that skips them (the LM head's int8 screen, speculation, prompt lookup, steps run ahead)."""
+        return self.logprobs is not None or self.shaped
+
+
+MAX_LOGPROBS = 20
+"""The most alternatives a token's logprobs may list (OpenAI's bound)."""
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily: logits divided by 1e-40 overflow float32 and the draw would be NaN;
@@ -106,6 +158,11 @@ class Token:
     """On a sample's final token, how the sample ended (`Sample.finish_reason`: "length", "stop"...); None on the
     others. A sample cancelled or failed after its last token was streamed has none: the stream ends (or raises
     `RequestError`), and `TokenStream.completion()` says how."""
+    logprob: float | None = None
+    """With `SamplingParams.logprobs`: the token's log-probability under the model's distribution."""
+    top_logprobs: dict[int, float] | None = None
+    """With `SamplingParams.logprobs` = k > 0: the k likeliest tokens there and their log-probabilities, likeliest
+    first (the drawn token among them only where it is one of them)."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +174,8 @@ class Sample:
     text: str
     finish_reason: str
     """"length" | "stop" | "cancelled" | "error"."""
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    """With `SamplingParams.logprobs`: each token's (log-probability, likeliest alternatives), as `Token` has them."""
 
 
 @dataclass(frozen=True)

@@ -6,28 +6,56 @@ from collections.abc import Callable
 
 import torch
 
+from jitney.core.processors import Row, shape
 from jitney.core.request import SamplingParams
+
+Logprobs = tuple[float, dict[int, float]]
+"""A drawn token's log-probability and its row's likeliest tokens with theirs (`SamplingParams.logprobs`)."""
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           argmax: Callable[[torch.Tensor], list[int]] | None = None) -> tuple[list[int], dict[int, str]]:
+           argmax: Callable[[torch.Tensor], list[int]] | None = None, rows: list[Row | None] | None = None,
+           ) -> tuple[list[int], dict[int, str], dict[int, Logprobs]]:
     """One token per row of `logits` ([N, vocab]): argmax for greedy rows (by `argmax` when given), a seeded
-    draw for the others. Also returns the rows whose draw failed (row -> why; their token is 0): one
-    request's bad row fails that request alone, not the batch."""
+    draw for the others; rows with logits processors run them first (`rows`: each row's, None for plain ones).
+    Also returns the rows whose draw failed (row -> why; their token is 0): one request's bad row fails that
+    request alone, not the batch; and the logprobs of the rows that ask for them."""
     tokens = argmax(logits) if argmax is not None else logits.argmax(dim=-1).tolist()
-    errors = {}
+    errors: dict[int, str] = {}
+    logprobs: dict[int, Logprobs] = {}
     for i, (p, gen) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            try:
-                tokens[i] = _draw(logits[i].float(), p, gen)
-            except Exception as exc:  # e.g. the model's logits for this row hold NaN
-                tokens[i] = 0
-                errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
-    return tokens, errors
+        if p.greedy and not p.needs_logits:
+            continue
+        try:
+            row = logits[i].float()
+            state = rows[i] if rows is not None else None
+            shaped = shape(row, state) if state is not None else row
+            if not p.greedy:
+                tokens[i] = _draw(shaped, p, gen)
+            elif shaped is not row:
+                tokens[i] = int(shaped.argmax())
+            if p.logprobs is not None:
+                logprobs[i] = token_logprobs(row, tokens[i], p.logprobs)
+        except Exception as exc:  # e.g. the model's logits for this row hold NaN
+            tokens[i] = 0
+            errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+    return tokens, errors, logprobs
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> Logprobs:
+    """`token`'s log-probability under `logits` ([vocab], fp32) and the `k` likeliest tokens' with theirs."""
+    lp = torch.log_softmax(logits, dim=-1)
+    if not k:
+        return float(lp[token]), {}
+    values, ids = torch.topk(lp, k)
+    return float(lp[token]), dict(zip(ids.tolist(), values.tolist()))
 
 
 def _draw(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     logits = logits / p.temperature
+    if p.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))  # (the likeliest always stays)
     if 0 < p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

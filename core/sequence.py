@@ -65,7 +65,8 @@ class Sequence:
     __slots__ = (
         "request", "request_id", "params", "prompt_ids", "output_ids", "num_computed", "status", "arrival",
         "stop_ids", "generator", "finish_reason", "error", "collector", "index", "forks", "t_queued",
-        "t_first_token", "max_new_tokens", "stop_strings", "parent_id", "ngrams", "computed_before",
+        "t_first_token", "max_new_tokens", "stop_strings", "parent_id", "ngrams", "computed_before", "needs_logits",
+        "logprobs", "processors",
     )
 
     def __init__(
@@ -81,6 +82,10 @@ class Sequence:
         # read for every token: kept here so that a step does not touch the params
         self.max_new_tokens = self.params.max_new_tokens
         self.stop_strings = self.params.stop
+        self.needs_logits = self.params.needs_logits
+        # with `params.logprobs`: each output token's (log-probability, likeliest alternatives), in order
+        self.logprobs: list | None = None if self.params.logprobs is None else []
+        self.processors: tuple = ()  # the logits processors its rows run (`processors.chain`), set by the engine
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
         self.num_computed = 0
@@ -128,4 +133,5 @@ def greedy_decodes(entries: list[tuple[Sequence, int]]) -> bool:
     """Whether every entry of a step decodes one greedy sample: the steps speculation may take (the draft's
     `Engine._speculation`, prompt lookup's `lookup.guesses`)."""
     decoding = RequestStatus.DECODING
-    return all(n == 1 and seq.status is decoding and seq.params.greedy and seq.remaining == 1 for seq, n in entries)
+    return all(n == 1 and seq.status is decoding and seq.params.greedy and not seq.needs_logits and seq.remaining == 1
+               for seq, n in entries)

@@ -33,6 +33,7 @@ class TokenStream:
         self._buffer: list[tuple[int, int]] = []
         self._stops = collector.samples[0].stop_strings  # (every sample has its request's)
         self._last: dict[int, int] = {}  # sample -> its final token's place in the buffer, once it has ended
+        self._sent: dict[int, int] = {}  # sample -> tokens streamed (where its logprobs, if any, are read)
 
     @property
     def done(self) -> bool:
@@ -67,7 +68,13 @@ class TokenStream:
         text = detok.add(tok)
         if self._stops:
             text = (self._texts.get(index) or self._texts.setdefault(index, _StopText(self._stops))).add(text, last)
-        return Token(tok, text, index, self.collector.samples[index].finish_reason if last else None)
+        sample = self.collector.samples[index]
+        if sample.logprobs is None:
+            return Token(tok, text, index, sample.finish_reason if last else None)
+        pos = self._sent[index] = self._sent.get(index, -1) + 1
+        logprob, top = sample.logprobs[pos]
+        return Token(tok, text, index, sample.finish_reason if last else None, logprob,
+                     top if sample.params.logprobs else None)
 
     def _mark_last(self) -> None:
         """Note where each ended sample's final token lies in the buffer just taken (its held-back text goes
@@ -96,7 +103,7 @@ class TokenStream:
         first = self.collector.samples[0]
         samples = [
             Sample(s.index, list(s.output_ids), cut_at_stop(self.engine.decode(s.output_ids), s.params.stop)[0],
-                   s.finish_reason or "cancelled")
+                   s.finish_reason or "cancelled", None if s.logprobs is None else s.logprobs[: len(s.output_ids)])
             for s in sorted(self.collector.samples, key=lambda s: s.index)
         ]
         return Completion(

@@ -76,6 +76,7 @@ class _Server:
         # fast tokenizer whose calls overlap across threads can fail with "Already borrowed"
         self.tokenizing = anyio.CapacityLimiter(1)
         self.shutting_down = False
+        self.pieces = TokenPieces(engine.tokenizer)
 
     @asynccontextmanager
     async def lifespan(self, app) -> AsyncIterator[None]:
@@ -176,13 +177,15 @@ class _Server:
         if failure is not None:
             raise failure
         common = {"id": done.request_id, "created": int(time.time()), "model": self.model_name, "usage": _usage(done)}
+        logprobs = self.pieces.chat_logprobs if chat else self.pieces.completion_logprobs
         if chat:
             return json_response(p.ChatCompletion(object="chat.completion", **common, choices=[
                 p.ChatChoice(index=s.index, message=p.AssistantMessage(role="assistant", content=s.text),
-                             finish_reason=s.finish_reason) for s in done.samples]), headers=headers)
+                             logprobs=logprobs(s.token_ids, s.logprobs), finish_reason=s.finish_reason)
+                for s in done.samples]), headers=headers)
         return json_response(p.Completion(object="text_completion", **common, choices=[
-            p.CompletionChoice(index=s.index, text=s.text, finish_reason=s.finish_reason) for s in done.samples]),
-            headers=headers)
+            p.CompletionChoice(index=s.index, text=s.text, logprobs=logprobs(s.token_ids, s.logprobs),
+                               finish_reason=s.finish_reason) for s in done.samples]), headers=headers)
 
     async def _events(self, body, stream: TokenStream, chat: bool) -> AsyncIterator[bytes]:
         """Server-sent events: the chunks, then an error event if the request failed, then ``[DONE]``."""
@@ -197,6 +200,20 @@ class _Server:
     async def _chunks(self, body, stream: TokenStream, chat: bool) -> AsyncIterator[bytes]:
         head = {"id": stream.request_id, "created": int(time.time()), "model": self.model_name}
         envelope, piece = _chunk_types(chat, head)
+        unsent: dict[int, list] = {}  # sample -> its tokens not sent yet, with their logprobs (where asked for)
+        offsets: dict[int, int] = {}  # sample -> where the next token's text starts in its completion
+
+        def logprobs(index: int):
+            tokens = unsent.pop(index, None)
+            if not tokens:
+                return None
+            ids, lps = [t.token_id for t in tokens], [(t.logprob, t.top_logprobs or {}) for t in tokens]
+            if chat:
+                return self.pieces.chat_logprobs(ids, lps)
+            out = self.pieces.completion_logprobs(ids, lps, offsets.get(index, 0))
+            offsets[index] = out.text_offset[-1] + len(out.tokens[-1])
+            return out
+
         async with stream:
             if chat:
                 for i in range(body.n):
@@ -204,8 +221,10 @@ class _Server:
             try:
                 # the engine's token texts stop before any stop string: they add up to the sample's text
                 async for token in stream:
+                    if token.logprob is not None:
+                        unsent.setdefault(token.index, []).append(token)
                     if token.text:
-                        yield _sse(envelope([piece(token.index, token.text)]))
+                        yield _sse(envelope([piece(token.index, token.text, logprobs=logprobs(token.index))]))
             except RequestError:
                 pass  # (the completion says why, below)
             done = stream.completion()
@@ -213,8 +232,8 @@ class _Server:
         if failure is not None:
             yield _sse(failure.body())
             return
-        for s in done.samples:
-            yield _sse(envelope([piece(s.index, finish=s.finish_reason)]))
+        for s in done.samples:  # (with the logprobs of tokens that added no text)
+            yield _sse(envelope([piece(s.index, finish=s.finish_reason, logprobs=logprobs(s.index))]))
         if body.stream_options is not None and body.stream_options.include_usage:
             yield _sse(envelope([], _usage(done)))
 
@@ -279,15 +298,78 @@ def _chunk_types(chat: bool, head: dict) -> tuple[Callable, Callable]:
         def envelope(choices, usage=None):
             return p.ChatCompletionChunk(object="chat.completion.chunk", **head, choices=choices, usage=usage)
 
-        def piece(i: int, text: str | None = None, finish=None, role=None):
-            return p.ChatChunkChoice(index=i, delta=p.ChatDelta(role=role, content=text), finish_reason=finish)
+        def piece(i: int, text: str | None = None, finish=None, role=None, logprobs=None):
+            return p.ChatChunkChoice(index=i, delta=p.ChatDelta(role=role, content=text), logprobs=logprobs,
+                                     finish_reason=finish)
     else:
         def envelope(choices, usage=None):
             return p.CompletionChunk(object="text_completion", **head, choices=choices, usage=usage)
 
-        def piece(i: int, text: str | None = None, finish=None, role=None):
-            return p.CompletionChunkChoice(index=i, text=text or "", finish_reason=finish)
+        def piece(i: int, text: str | None = None, finish=None, role=None, logprobs=None):
+            return p.CompletionChunkChoice(index=i, text=text or "", logprobs=logprobs, finish_reason=finish)
     return envelope, piece
+
+
+class TokenPieces:
+    """Tokens as the logprobs of OpenAI's API name them: each token's own text (a piece of a character reads as
+    U+FFFD) and its bytes (a byte-level BPE token's exact bytes, else its text's UTF-8), cached by id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        if self.byte_level:
+            self.byte_of = _byte_level_alphabet()
+
+    def piece(self, token_id: int) -> tuple[str, list[int]]:
+        known = self.cache.get(token_id)
+        if known is not None:
+            return known
+        if self.tokenizer is None:
+            text, raw = f"token_id:{token_id}", None
+        else:
+            text = self.tokenizer.decode([token_id])
+            raw = None
+            if self.byte_level:
+                name = self.tokenizer.convert_ids_to_tokens(token_id)
+                if name and all(c in self.byte_of for c in name):
+                    raw = [self.byte_of[c] for c in name]
+        if len(self.cache) < 1 << 17:
+            self.cache[token_id] = (text, raw if raw is not None else list(text.encode()))
+            return self.cache[token_id]
+        return text, raw if raw is not None else list(text.encode())
+
+    def chat_logprobs(self, token_ids: list[int], logprobs) -> p.ChatLogprobs | None:
+        if logprobs is None:
+            return None
+        content = []
+        for tok, (logprob, top) in zip(token_ids, logprobs):
+            text, raw = self.piece(tok)
+            content.append(p.TokenLogprob(token=text, logprob=logprob, bytes=raw, top_logprobs=[
+                p.TopLogprob(token=t, logprob=lp, bytes=b) for (t, b), lp in ((self.piece(i), lp) for i, lp in top.items())]))
+        return p.ChatLogprobs(content=content)
+
+    def completion_logprobs(self, token_ids: list[int], logprobs, offset: int = 0) -> p.CompletionLogprobs | None:
+        if logprobs is None:
+            return None
+        out = p.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for tok, (logprob, top) in zip(token_ids, logprobs):
+            text = self.piece(tok)[0]
+            out.tokens.append(text)
+            out.token_logprobs.append(logprob)
+            out.top_logprobs.append({**{self.piece(i)[0]: lp for i, lp in top.items()}, text: logprob})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte, inverted: printable Latin-1 bytes stand for themselves, the
+    others (controls, space, soft hyphen...) for the characters from U+0100 on, in byte order."""
+    shown = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    hidden = [b for b in range(256) if b not in shown]
+    return {**{chr(b): b for b in shown}, **{chr(0x100 + i): b for i, b in enumerate(hidden)}}
 
 
 def _sse(body: msgspec.Struct) -> bytes:

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from jitney.core.request import SamplingParams
+from jitney.core.request import MAX_LOGPROBS, SamplingParams
 
 
 class ErrorDetail(msgspec.Struct, kw_only=True):
@@ -50,10 +50,40 @@ class Usage(msgspec.Struct, kw_only=True):
     total_tokens: int
 
 
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True):
+    """A chat token's log-probability and its likeliest alternatives (`top_logprobs` of them)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """The legacy completions' logprobs: per token its text, log-probability, the likeliest alternatives with the
+    drawn token among them, and where its text starts in the completion."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -76,7 +106,7 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
 class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -94,7 +124,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 class CompletionChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -117,7 +147,7 @@ class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -195,6 +225,9 @@ class Message(msgspec.Struct, kw_only=True):
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # a torch generator's range (sample i uses seed + i)
 StopString = Annotated[str, Meta(min_length=1)]
 Stop = StopString | Annotated[list[StopString], Meta(max_length=4)] | None  # at most 4, as OpenAI's API
+Penalty = Annotated[float, Meta(ge=-2, le=2)] | None
+Bias = Annotated[float, Meta(ge=-100, le=100)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None
 
 
 def request_bodies(model_name: str, max_n: int, vocab_size: int, max_tokens: int | None = None) -> tuple[type, type]:
@@ -207,8 +240,8 @@ def request_bodies(model_name: str, max_n: int, vocab_size: int, max_tokens: int
 
     class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         model: Literal[model_name]  # type: ignore[valid-type]
-        temperature: Annotated[float, Meta(ge=0)] = 1.0
-        top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+        temperature: Annotated[float, Meta(ge=0)] | None = None  # null: 1, as OpenAI's API
+        top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
         seed: Seed | None = None
         stop: Stop = None
         n: n_type = 1
@@ -216,15 +249,34 @@ def request_bodies(model_name: str, max_n: int, vocab_size: int, max_tokens: int
         stream_options: StreamOptions | None = None
         user: str | None = None  # an end-user id: the request's metadata["user"], for schedulers and logs
         metadata: dict[str, str] | None = None  # OpenAI's request metadata: the request's metadata too
+        presence_penalty: Penalty = None
+        frequency_penalty: Penalty = None
+        logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> bias
+        # the common extras (vLLM's names)
+        top_k: Annotated[int, Meta(ge=-1)] | None = None  # -1 or 0: every token
+        min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+        repetition_penalty: Annotated[float, Meta(ge=0.01, le=100)] | None = None
+        min_tokens: Annotated[int, Meta(ge=0)] | None = None
 
     class CompletionBody(_Common, kw_only=True):
         prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[token_id], Meta(min_length=1)]
         max_tokens: tokens = 16
+        logprobs: TopLogprobs = None  # the alternatives listed beside each token's (the drawn one among them)
+
+        def asked_logprobs(self) -> int | None:
+            return self.logprobs
 
     class ChatBody(_Common, kw_only=True):
         messages: Annotated[list[Message], Meta(min_length=1)]
         max_tokens: tokens | None = None
         max_completion_tokens: tokens | None = None
+        logprobs: bool | None = None
+        top_logprobs: TopLogprobs = None
+
+        def asked_logprobs(self) -> int | None:
+            if self.top_logprobs and not self.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return (self.top_logprobs or 0) if self.logprobs else None
 
     return CompletionBody, ChatBody
 
@@ -234,9 +286,7 @@ _MISSING = re.compile(r"missing required field `([A-Za-z_]+)`$")
 
 
 NEUTRAL: dict[str, tuple] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}), "min_p": (None, 0), "min_tokens": (None, 0), "best_of": (None, 1),
+    "echo": (None, False), "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
     "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
 }
@@ -304,10 +354,20 @@ def _invalid(message: str) -> ApiError:
 
 
 def sampling(body, max_tokens: int | None, default_max: int) -> SamplingParams:
-    """Map the OpenAI sampling fields; a bad value is a 400 that says which."""
+    """Map the OpenAI sampling fields (null: the default); a bad value is a 400 that says which."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     try:
-        return SamplingParams(max_new_tokens=default_max if max_tokens is None else max_tokens,
-                              temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=stop, n=body.n)
+        bias = {int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None
+    except ValueError:
+        raise ApiError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+    try:
+        return SamplingParams(
+            max_new_tokens=default_max if max_tokens is None else max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature, top_p=body.top_p or 1.0, seed=body.seed, stop=stop, n=body.n, presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0, logit_bias=bias, top_k=max(0, body.top_k or 0),
+            min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
+            min_tokens=body.min_tokens or 0,
+            logprobs=body.asked_logprobs(),
+        )
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None

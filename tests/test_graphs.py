@@ -190,6 +190,7 @@ class FakeSteps:
         self.ran: list[list[int]] = []
         self.forward_s = 0.0
         self.row_errors: dict[int, str] = {}
+        self.row_logprobs: dict = {}
 
     def set_tokens(self, prepared, token_ids):
         prepared[:] = token_ids

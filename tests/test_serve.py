@@ -19,6 +19,7 @@ KEY = "test-key"
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name a color."}]
 CONFIG = EngineConfig(num_blocks=256, max_batch_tokens=128)
+SHAPED = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3, min_tokens=4, top_k=5)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def expected(smollm2):
         async with Engine(model, tokenizer, CONFIG) as engine:
             a = await engine.generate(Request(PROMPT, SamplingParams(max_new_tokens=12)))
             b = await engine.generate(Request(chat_ids, SamplingParams(max_new_tokens=12)))
-            return a.text, b.text
+            shaped = await engine.generate(Request(chat_ids, SamplingParams(max_new_tokens=12, **SHAPED, logprobs=3)))
+            return a.text, b.text, shaped
 
     return anyio.run(run)
 
@@ -123,8 +125,13 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
         ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
         ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "max_tokens": 100000}', 400, "context"),
         ("/v1/completions", b'{"model": "gpt-9", "prompt": "hi"}', 404, "gpt-9"),
-        ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "logprobs": 3, "presence_penalty": 1}', 400,
-         "logprobs, presence_penalty"),
+        ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "echo": true, "best_of": 3}', 400,
+         "best_of, echo"),
+        ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "presence_penalty": 3}', 400, "presence_penalty"),
+        ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "logit_bias": {"x": 1}}', 400, "logit_bias"),
+        ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "logit_bias": {"99999999": 1}}', 400, "logit_bias"),
+        ("/v1/chat/completions", b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], '
+                                 b'"top_logprobs": 2}', 400, "top_logprobs needs logprobs"),
         ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "temperature": -1}', 400, "temperature"),
         ("/v1/completions", b'{"model": "smollm2", "prompt": "' + b"x" * 70000 + b'"}', 413, "over"),
     ],
@@ -152,10 +159,46 @@ def test_fields_sent_at_their_neutral_values_are_accepted(server, client, expect
     assert client.completions.create(model="smollm2", prompt=[PROMPT], max_tokens=12, temperature=0).choices[0].text == expected[0]
     with pytest.raises(openai.BadRequestError, match="a list of 2 prompts: this server takes one prompt a request"):
         client.completions.create(model="smollm2", prompt=[PROMPT, PROMPT], max_tokens=12)
-    for field, value in (("logprobs", True), ("presence_penalty", 0.5), ("logprobs", 0), ("response_format", {"type": "json_object"})):
+    for field, value in (("echo", True), ("best_of", 2), ("tool_choice", "required"), ("response_format", {"type": "json_object"})):
         r = httpx.post(server[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                        json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], field: value})
         assert r.status_code == 400 and field in r.json()["error"]["message"], (field, value)
+
+
+def test_penalties_and_logprobs_are_the_engines(client, expected, smollm2):
+    """The sampling controls reach the engine (the text is the library's under the same params), and logprobs come
+    back as OpenAI's API shapes them, streamed or not, chat and completions, with the library's values."""
+    tokenizer = smollm2[1]
+    shaped = expected[2]
+    extra = {k: SHAPED[k] for k in ("repetition_penalty", "min_tokens", "top_k")}
+    chat = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12, temperature=0, logprobs=True,
+                                          top_logprobs=3, frequency_penalty=1.5, presence_penalty=0.5, extra_body=extra)
+    assert chat.choices[0].message.content == shaped.text
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([lp for lp, _ in shaped.samples[0].logprobs], abs=1e-6)
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in shaped.token_ids]
+    assert bytes(b for c in content for b in c.bytes).decode() == shaped.text
+    for c, (_, top) in zip(content, shaped.samples[0].logprobs):
+        assert [t.token for t in c.top_logprobs] == [tokenizer.decode([i]) for i in top]
+    pieces = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12, temperature=0, logprobs=True,
+                                            top_logprobs=3, frequency_penalty=1.5, presence_penalty=0.5,
+                                            extra_body=extra, stream=True)
+    streamed = [c for chunk in pieces for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == expected[1]
+
+    text = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert "".join(lp.tokens) == text.choices[0].text == expected[0]
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == logprob <= 0 and len(top) == 2  # (greedy: the drawn token is the likeliest)
+    pieces = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2,
+                                       stream=True)
+    chunks = [c.choices[0].logprobs for c in pieces if c.choices and c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.tokens] == lp.tokens
+    assert [o for c in chunks for o in c.text_offset] == lp.text_offset
 
 
 def test_messages_in_the_shapes_openai_clients_send(server, client):
