@@ -17,6 +17,7 @@ import torch
 from jitney.cache.sizing import available_memory
 from jitney.core import assembly
 from jitney.core import events as ev
+from jitney.core import grammar
 from jitney.core import lookup
 from jitney.core import processors
 from jitney.core import selfcheck
@@ -69,6 +70,7 @@ class Engine:
         mc = model.config.get_text_config()
         self.max_context = getattr(mc, "max_position_embeddings", None) or math.inf
         self.vocab_size = mc.vocab_size
+        self.grammars = grammar.Grammars(tokenizer, self.vocab_size)  # (structured output's compiled grammars)
         # (each made with the engine: a processor may read its tokenizer, vocabulary size, config)
         self.logits_processors = {name: factory(self) for name, factory in
                                   registry(self.plugins, "logits processor").factories.items()}

@@ -348,8 +348,8 @@ def _rows(samplers: list[Sequence]) -> list[Row | None] | None:
     to it while the forward runs. None for a step of plain rows (the common step: one pass over them)."""
     if not any(s.needs_logits for s in samplers):
         return None
-    return [Row(s.params, s.prompt_ids, tuple(s.output_ids), s.stop_ids, s.processors) if s.processors else None
-            for s in samplers]
+    return [Row(s.params, s.prompt_ids, tuple(s.output_ids), s.stop_ids, s.processors, s.state) if s.processors
+            else None for s in samplers]
 
 
 def _started_future() -> Future:

@@ -9,7 +9,8 @@ engine's `tokenizer`, `vocab_size`, `config`). A request names the ones it wants
 
 The built-ins below are processors too, registered here by the same hook; each runs by itself on the rows whose
 params ask for it, in this order, before the named ones: `logit_bias`, `min_tokens`, `repetition_penalty`,
-`penalties` (presence and frequency). A processor that raises fails its request alone (docs/reliability.md).
+`penalties` (presence and frequency), `grammar` (structured output: `jitney.core.grammar`). A processor that raises
+fails its request alone (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from jitney.core import grammar
 from jitney.core.hooks import hookimpl
 from jitney.core.request import SamplingParams
 
@@ -35,6 +37,9 @@ class Row:
     stop_ids: frozenset[int]
     processors: tuple[tuple[str, LogitsProcessor], ...] = ()
     """The chain this row runs (`chain`), named."""
+    state: dict | None = None
+    """The sample's own scratch space, kept from step to step (a stateful processor's, e.g. a grammar's matcher);
+    only processors touch it, on the forward thread."""
 
 
 def logit_bias(logits: torch.Tensor, row: Row) -> torch.Tensor:
@@ -81,6 +86,7 @@ ASKS: dict[str, Callable[[SamplingParams], bool]] = {
     "min_tokens": lambda p: p.min_tokens > 0,
     "repetition_penalty": lambda p: p.repetition_penalty != 1.0,
     "penalties": lambda p: bool(p.presence_penalty or p.frequency_penalty),
+    "grammar": lambda p: p.grammar is not None,
 }
 """Whether a request's params ask for each built-in."""
 
@@ -89,6 +95,7 @@ ASKS: dict[str, Callable[[SamplingParams], bool]] = {
 def jitney_register_logits_processors(register) -> None:
     for name, fn in BUILTIN.items():
         register(name, lambda engine, fn=fn: fn)
+    register("grammar", lambda engine: grammar.processor(engine.grammars))  # (stateful: a matcher per sample)
 
 
 def chain(params: SamplingParams, registered: dict[str, LogitsProcessor]) -> tuple[tuple[str, LogitsProcessor], ...]:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from jitney.core.grammar import Grammar
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How tokens are chosen for one request. `temperature=0` is greedy."""
@@ -47,6 +49,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     in order, after the built-in ones its params ask for (docs/plugins.md)."""
     extra_args: dict | None = None
     """Anything the request's processors read (`row.params.extra_args`)."""
+    grammar: Grammar | None = None
+    """Structured output: the output matches this grammar (`Grammar.json(schema)`, `.regex`, `.choice`, `.lark`;
+    `jitney.core.grammar`), and the request ends on an end-of-sequence token once it is complete."""
     logprobs: int | None = None
     """Report each token's log-probability and the `logprobs` likeliest alternatives (0 to 20) under the model's
     own distribution (its logits before penalties, bias, temperature or filters); None: none."""
@@ -86,10 +91,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def shaped(self) -> bool:
-        """Whether logits processors edit its row before the token is chosen (penalties, bias, `min_tokens`, those
-        it names)."""
+        """Whether logits processors edit its row before the token is chosen (penalties, bias, `min_tokens`, a
+        grammar, those it names)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.processors)
+                    or self.logit_bias or self.min_tokens or self.processors or self.grammar is not None)
 
     @property
     def needs_logits(self) -> bool:

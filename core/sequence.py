@@ -66,7 +66,7 @@ class Sequence:
         "request", "request_id", "params", "prompt_ids", "output_ids", "num_computed", "status", "arrival",
         "stop_ids", "generator", "finish_reason", "error", "collector", "index", "forks", "t_queued",
         "t_first_token", "max_new_tokens", "stop_strings", "parent_id", "ngrams", "computed_before", "needs_logits",
-        "logprobs", "processors",
+        "logprobs", "processors", "state",
     )
 
     def __init__(
@@ -86,6 +86,7 @@ class Sequence:
         # with `params.logprobs`: each output token's (log-probability, likeliest alternatives), in order
         self.logprobs: list | None = None if self.params.logprobs is None else []
         self.processors: tuple = ()  # the logits processors its rows run (`processors.chain`), set by the engine
+        self.state: dict = {}  # theirs, from step to step (`processors.Row.state`)
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
         self.num_computed = 0

@@ -97,6 +97,7 @@ class _Server:
                 ids = await self._tokenize(self._encode, body.prompt)
             else:
                 ids = body.prompt
+            await self._compile(params)
             stream = await self._submit(ids, params, body)
         return await self._respond(request, body, stream, chat=False)
 
@@ -109,6 +110,7 @@ class _Server:
             limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             room = min(1024, self.max_tokens or 1024, self.engine.max_context - len(ids))
             params = sampling(body, limit, max(1, room))
+            await self._compile(params)
             stream = await self._submit(ids, params, body)
         return await self._respond(request, body, stream, chat=True)
 
@@ -145,6 +147,18 @@ class _Server:
         if self.engine.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
         return await anyio.to_thread.run_sync(fn, arg, limiter=self.tokenizing)
+
+    async def _compile(self, params) -> None:
+        """A request's grammar compiled (and cached) off the event loop before it is submitted: a bad one is a 400
+        here rather than a failed request later."""
+        grammars = getattr(self.engine, "grammars", None)  # (a fleet's gateway: each replica compiles its own)
+        if params.grammar is None or grammars is None:
+            return
+        param = "response_format" if params.grammar.kind == "json" else "structured_outputs"
+        try:
+            await anyio.to_thread.run_sync(grammars.grammar, params.grammar, limiter=self.tokenizing)
+        except (ValueError, RuntimeError) as exc:
+            raise ApiError(400, str(exc), param=param) from None
 
     def _encode(self, text: str) -> list[int]:
         return list(self.engine.tokenizer.encode(text, add_special_tokens=True))

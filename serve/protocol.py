@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from jitney.core.grammar import Grammar
 from jitney.core.request import MAX_LOGPROBS, SamplingParams
 
 
@@ -222,6 +223,30 @@ class Message(msgspec.Struct, kw_only=True):
         return {"role": self.role, "content": self.text(), **extra}
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict | None = None  # (none: any JSON object)
+    strict: bool | None = None  # (the grammar holds every output to the schema either way)
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs` extra: exactly one of a JSON schema, a regex, a choice of strings, a Lark
+    grammar."""
+
+    json: dict | None = None
+    regex: str | None = None
+    choice: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] | None = None
+    grammar: str | None = None
+
+
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # a torch generator's range (sample i uses seed + i)
 StopString = Annotated[str, Meta(min_length=1)]
 Stop = StopString | Annotated[list[StopString], Meta(max_length=4)] | None  # at most 4, as OpenAI's API
@@ -257,6 +282,8 @@ def request_bodies(model_name: str, max_n: int, vocab_size: int, max_tokens: int
         min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
         repetition_penalty: Annotated[float, Meta(ge=0.01, le=100)] | None = None
         min_tokens: Annotated[int, Meta(ge=0)] | None = None
+        response_format: ResponseFormat | None = None
+        structured_outputs: StructuredOutputs | None = None
 
     class CompletionBody(_Common, kw_only=True):
         prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[token_id], Meta(min_length=1)]
@@ -288,7 +315,7 @@ _MISSING = re.compile(r"missing required field `([A-Za-z_]+)`$")
 NEUTRAL: dict[str, tuple] = {
     "echo": (None, False), "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
-    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "functions": (None, []), "function_call": (None, "none"),
 }
 """Fields this server does not implement, each with the values that ask for nothing of it (OpenAI's defaults, and
 null): SDKs and frameworks send them as they are; a body with any other value of them is refused with a 400."""
@@ -353,6 +380,29 @@ def _invalid(message: str) -> ApiError:
                          f"{' at ' + field + where['rest'] if where['rest'] else ''}", param=field)
 
 
+def grammar_of(body) -> Grammar | None:
+    """The grammar a body asks its output to match (`response_format`, or the `structured_outputs` extra)."""
+    fmt, extra = body.response_format, body.structured_outputs
+    if fmt is not None and fmt.type != "text" and extra is not None:
+        raise ApiError(400, "response_format and structured_outputs both constrain the output: send one",
+                       param="structured_outputs")
+    if fmt is not None and fmt.type == "json_object":
+        return Grammar.json()
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise ApiError(400, "response_format json_schema needs its json_schema", param="response_format")
+        return Grammar.json(fmt.json_schema.schema)
+    if extra is None:
+        return None
+    given = [k for k in ("json", "regex", "choice", "grammar") if getattr(extra, k) is not None]
+    if len(given) != 1:
+        raise ApiError(400, f"structured_outputs takes exactly one of json, regex, choice, grammar (got "
+                            f"{', '.join(given) or 'none'})", param="structured_outputs")
+    kind = given[0]
+    return {"json": Grammar.json, "regex": Grammar.regex, "choice": Grammar.choice,
+            "grammar": Grammar.lark}[kind](getattr(extra, kind))
+
+
 def sampling(body, max_tokens: int | None, default_max: int) -> SamplingParams:
     """Map the OpenAI sampling fields (null: the default); a bad value is a 400 that says which."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -367,7 +417,7 @@ def sampling(body, max_tokens: int | None, default_max: int) -> SamplingParams:
             frequency_penalty=body.frequency_penalty or 0.0, logit_bias=bias, top_k=max(0, body.top_k or 0),
             min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
             min_tokens=body.min_tokens or 0,
-            logprobs=body.asked_logprobs(),
+            logprobs=body.asked_logprobs(), grammar=grammar_of(body),
         )
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None

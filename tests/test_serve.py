@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import anyio
@@ -159,7 +160,7 @@ def test_fields_sent_at_their_neutral_values_are_accepted(server, client, expect
     assert client.completions.create(model="smollm2", prompt=[PROMPT], max_tokens=12, temperature=0).choices[0].text == expected[0]
     with pytest.raises(openai.BadRequestError, match="a list of 2 prompts: this server takes one prompt a request"):
         client.completions.create(model="smollm2", prompt=[PROMPT, PROMPT], max_tokens=12)
-    for field, value in (("echo", True), ("best_of", 2), ("tool_choice", "required"), ("response_format", {"type": "json_object"})):
+    for field, value in (("echo", True), ("best_of", 2), ("tool_choice", "required"), ("response_format", {"type": "xml"})):
         r = httpx.post(server[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                        json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], field: value})
         assert r.status_code == 400 and field in r.json()["error"]["message"], (field, value)
@@ -199,6 +200,39 @@ def test_penalties_and_logprobs_are_the_engines(client, expected, smollm2):
     chunks = [c.choices[0].logprobs for c in pieces if c.choices and c.choices[0].logprobs]
     assert [t for c in chunks for t in c.tokens] == lp.tokens
     assert [o for c in chunks for o in c.text_offset] == lp.text_offset
+
+
+def test_structured_output_through_the_openai_client(server, client):
+    """response_format json_schema and json_object, and the structured_outputs extra (a choice, a regex): outputs
+    match, streamed or not; a schema that cannot compile, or two constraints at once, is a 400 naming the field."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 10},
+                                               "bright": {"type": "boolean"}}, "required": ["colour", "bright"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "colour", "schema": schema, "strict": True}}
+    out = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=100, response_format=fmt)
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    assert out.choices[0].finish_reason == "stop"
+    pieces = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=100, temperature=0,
+                                            response_format={"type": "json_object"}, stream=True)
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in pieces if c.choices)), dict)
+    pick = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=10,
+                                     extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}})
+    assert pick.choices[0].text in ("Paris", "Lyon")
+    code = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=10,
+                                          extra_body={"structured_outputs": {"regex": "#[0-9a-f]{6}"}})
+    assert re.fullmatch("#[0-9a-f]{6}", code.choices[0].message.content)
+    for body, field in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "integer", "minimum": "low"}}}}, "response_format"),
+                        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+                         "structured_outputs"),
+                        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs")):
+        r = httpx.post(server[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "smollm2", "messages": CHAT, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 def test_messages_in_the_shapes_openai_clients_send(server, client):

@@ -1,0 +1,106 @@
+"""Structured output: outputs that match their grammar (drawn JSON schemas, regexes, choices) on the embedded SmolLM2,
+through the library and the server; a grammar that cannot compile fails its request alone, or is a 400."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import anyio
+import jsonschema
+import pytest
+
+from jitney import Engine, EngineConfig, Grammar, Request, RequestError, SamplingParams
+
+CONFIG = EngineConfig(num_blocks=512, max_batch_tokens=256)
+
+
+def draw_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A JSON schema whose every instance is short (strings, arrays and numbers bounded)."""
+    kinds = ["string", "integer", "boolean", "enum"] + (["array", "object"] if depth < 2 else [])
+    kind = rng.choice(kinds) if depth else "object"
+    if kind == "string":
+        return {"type": "string", "minLength": 1, "maxLength": rng.randint(1, 12)}
+    if kind == "integer":
+        low = rng.randint(-100, 100)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 1000)}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", 3, 7.5, True, None, "a b"], rng.randint(1, 4))}
+    if kind == "array":
+        return {"type": "array", "items": draw_schema(rng, depth + 1), "minItems": rng.randint(0, 1),
+                "maxItems": rng.randint(1, 3)}
+    names = rng.sample(["name", "size", "colour", "tags", "ok", "id", "parts", "when"], rng.randint(1, 3))
+    props = {n: draw_schema(rng, depth + 1) for n in names}
+    return {"type": "object", "properties": props, "required": rng.sample(names, rng.randint(0, len(names))),
+            "additionalProperties": False}
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"])
+
+
+async def finish(engine, request):
+    async with engine.stream(request) as stream:
+        try:
+            async for _ in stream:
+                pass
+        except RequestError:
+            pass
+        return stream.completion()
+
+
+async def run(smollm2, requests):
+    model, tokenizer = smollm2
+    out = {}
+    async with Engine(model, tokenizer, CONFIG) as engine:
+        async def one(i, req):
+            out[i] = await finish(engine, req)
+
+        async with anyio.create_task_group() as tg:
+            for i, req in enumerate(requests):
+                tg.start_soon(one, i, req)
+    return [out[i] for i in range(len(requests))]
+
+
+def test_grammar_values():
+    assert Grammar.json({"type": "integer"}) == Grammar("json", '{"type": "integer"}')
+    assert Grammar.json().spec == "" and Grammar.choice(("a", "b")).spec == '["a", "b"]'
+    with pytest.raises(ValueError, match="kind"):
+        Grammar("yaml", "")
+    with pytest.raises(ValueError, match="non-empty"):
+        Grammar.choice([])
+
+
+async def test_every_output_of_drawn_json_schemas_validates(smollm2):
+    """24 schemas drawn at random (nested objects, arrays, enums, bounded strings and integers), half greedy, half
+    sampled: each output parses and validates, and ends on its own (validity is the grammar's job, not the model's)."""
+    rng = random.Random(7)
+    schemas = [draw_schema(rng) for _ in range(24)]
+    ids = chat_ids(smollm2[1], "Describe a small object as JSON.")
+    requests = [Request(ids, SamplingParams(max_new_tokens=200, grammar=Grammar.json(s), temperature=0.0 if i % 2 else 0.9,
+                                            seed=i)) for i, s in enumerate(schemas)]
+    for schema, done in zip(schemas, await run(smollm2, requests)):
+        assert done.finish_reason == "stop", (schema, done.text)
+        jsonschema.validate(json.loads(done.text), schema)
+
+
+async def test_regex_choice_and_any_object_beside_plain_requests(smollm2):
+    tokenizer = smollm2[1]
+    ids = chat_ids(tokenizer, "Give me a product code.")
+    plain = SamplingParams(max_new_tokens=12)
+    code, pick, obj, free, bad = await run(smollm2, [
+        Request(ids, SamplingParams(max_new_tokens=20, grammar=Grammar.regex(r"[A-Z]{3}-[0-9]{4}"))),
+        Request(ids, SamplingParams(max_new_tokens=20, grammar=Grammar.choice(["alpha", "beta", "gamma ray"]))),
+        Request(ids, SamplingParams(max_new_tokens=200, grammar=Grammar.json({"type": "object", "properties": {
+            "code": {"type": "string", "maxLength": 8}}, "required": ["code"]}))),
+        Request(ids, plain),
+        Request(ids, SamplingParams(max_new_tokens=20, grammar=Grammar.json('{"type": "integer", "minimum": "x"'))),
+    ])
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{4}", code.text) and code.finish_reason == "stop"
+    assert pick.text in ("alpha", "beta", "gamma ray") and pick.finish_reason == "stop"
+    assert isinstance(json.loads(obj.text)["code"], str)
+    assert bad.finish_reason == "error" and "logits processor 'grammar' failed" in bad.error and "not JSON" in bad.error
+    assert free.token_ids == (await run(smollm2, [Request(ids, plain)]))[0].token_ids  # (its batch went on)
