@@ -117,9 +117,22 @@ def tool_grammar(tools: list[dict], choice) -> Grammar | None:
     elif choice != "required":
         raise ValueError(f"tool_choice must be none, auto, required or a named function (got {choice!r})")
     options = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 "arguments": f.get("parameters") or {"type": "object"}},
+                                                 "arguments": _closed(f.get("parameters") or {"type": "object"})},
                 "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     call = f'"{OPEN}" %json {json.dumps(schema)} "{CLOSE}"'
     many = "+" if choice == "required" else ""
     return Grammar.lark(f"start: call{many}\ncall: {call}\n")
+
+
+def _closed(schema):
+    """A function's parameters with no properties beyond those it declares, where it does not say otherwise (JSON
+    Schema allows any by default, and a small model, free to add some, may not stop)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out

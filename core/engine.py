@@ -16,6 +16,7 @@ import torch
 
 from jitney.cache.sizing import available_memory
 from jitney.core import assembly
+from jitney.core import chat as chats
 from jitney.core import events as ev
 from jitney.core import grammar
 from jitney.core import lookup
@@ -28,7 +29,7 @@ from jitney.core.hooks import make_plugin_manager, registry
 from jitney.core.models import load_model
 from jitney.core.memory import MemoryUse, memory_use
 from jitney.core.preemption import Preempter
-from jitney.core.request import Completion, Request, RequestStatus, cut_at_stop
+from jitney.core.request import Completion, Request, RequestStatus, SamplingParams, cut_at_stop
 from jitney.core.sequence import Collector, Sequence, greedy_decodes
 from jitney.core.stream import TokenStream
 from jitney.kernels import cpu_layers
@@ -301,6 +302,14 @@ class Engine:
             async for _ in tokens:
                 pass
             return tokens.completion()
+
+    async def chat(self, messages: list[dict], params: SamplingParams | None = None,
+                   tools: list[dict] | None = None) -> Completion:
+        """Complete a conversation (OpenAI's message shapes: text or text parts, tool-call turns, tool results) under
+        the tokenizer's chat template, as the server applies it, `tools` offered where given (read calls back with
+        `jitney.core.chat.parse_tool_calls(completion.text)`). The template is applied off the event loop."""
+        ids = await anyio.to_thread.run_sync(chats.prompt_ids, self.tokenizer, messages, tools)
+        return await self.generate(Request(ids, params or SamplingParams()))
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request (all its samples), or one sample by the id its events carry (``<id>#<i>`` for

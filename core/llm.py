@@ -26,6 +26,15 @@ class LLM:
         requests = [Request(p, params) for p in prompts]
         return anyio.run(self._run, requests, progress)
 
+    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None,
+             tools: list[dict] | None = None, progress: bool = True) -> list[Completion]:
+        """Complete every conversation under the chat template (`Engine.chat`); results in their order."""
+        from jitney.core.chat import prompt_ids
+
+        params = params or SamplingParams()
+        requests = [Request(prompt_ids(self.engine.tokenizer, c, tools), params) for c in conversations]
+        return anyio.run(self._run, requests, progress)
+
     async def _run(self, requests: list[Request], progress: bool) -> list[Completion]:
         results: list[Completion | None] = [None] * len(requests)
         with tqdm(total=len(requests), disable=not progress, unit="req") as bar:

@@ -20,6 +20,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from jitney.core import chat as chats
 from jitney.core.engine import Engine
 from jitney.core.request import Completion, Request, RequestError
 from jitney.core.stream import TokenStream
@@ -106,10 +107,22 @@ class _Server:
         with self._admitted(body.n):
             self._check_size(sum(len(m.role.encode()) + len(m.text().encode()) for m in body.messages), "messages")
             messages = [m.for_template() for m in body.messages]
-            ids = await self._tokenize(self._apply_template, messages)
+            tools = body.offered_tools()
+            ids = await self._tokenize(self._apply_template, (messages, tools))
             limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             room = min(1024, self.max_tokens or 1024, self.engine.max_context - len(ids))
             params = sampling(body, limit, max(1, room))
+            if tools:  # a required or named call: the reply held to the calls' grammar
+                choice = msgspec.to_builtins(body.tool_choice) if body.tool_choice is not None else "auto"
+                try:
+                    calls = chats.tool_grammar(tools, choice)
+                except ValueError as exc:
+                    raise ApiError(400, str(exc), param="tool_choice") from None
+                if calls is not None and params.grammar is not None:
+                    raise ApiError(400, f"tool_choice {choice!r} and response_format both constrain the reply: "
+                                        "send one", param="tool_choice")
+                if calls is not None:
+                    params = msgspec.structs.replace(params, grammar=calls)
             await self._compile(params)
             stream = await self._submit(ids, params, body)
         return await self._respond(request, body, stream, chat=True)
@@ -163,9 +176,9 @@ class _Server:
     def _encode(self, text: str) -> list[int]:
         return list(self.engine.tokenizer.encode(text, add_special_tokens=True))
 
-    def _apply_template(self, messages: list[dict]) -> list[int]:
+    def _apply_template(self, messages_and_tools: tuple[list[dict], list[dict] | None]) -> list[int]:
         try:
-            return list(self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+            return chats.prompt_ids(self.engine.tokenizer, *messages_and_tools)
         except Exception as exc:  # the template's own message (e.g. roles out of order)
             raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from None
 
@@ -193,10 +206,15 @@ class _Server:
         common = {"id": done.request_id, "created": int(time.time()), "model": self.model_name, "usage": _usage(done)}
         logprobs = self.pieces.chat_logprobs if chat else self.pieces.completion_logprobs
         if chat:
-            return json_response(p.ChatCompletion(object="chat.completion", **common, choices=[
-                p.ChatChoice(index=s.index, message=p.AssistantMessage(role="assistant", content=s.text),
-                             logprobs=logprobs(s.token_ids, s.logprobs), finish_reason=s.finish_reason)
-                for s in done.samples]), headers=headers)
+            choices = []
+            for s in done.samples:
+                content, calls = chats.parse_tool_calls(s.text) if _tools_on(body) else (s.text, [])
+                choices.append(p.ChatChoice(
+                    index=s.index, logprobs=logprobs(s.token_ids, s.logprobs),
+                    message=p.AssistantMessage(role="assistant", content=content,
+                                               tool_calls=[msgspec.convert(c, p.ToolCall) for c in calls] or None),
+                    finish_reason="tool_calls" if calls else s.finish_reason))
+            return json_response(p.ChatCompletion(object="chat.completion", **common, choices=choices), headers=headers)
         return json_response(p.Completion(object="text_completion", **common, choices=[
             p.CompletionChoice(index=s.index, text=s.text, logprobs=logprobs(s.token_ids, s.logprobs),
                                finish_reason=s.finish_reason) for s in done.samples]), headers=headers)
@@ -215,6 +233,7 @@ class _Server:
         head = {"id": stream.request_id, "created": int(time.time()), "model": self.model_name}
         envelope, piece = _chunk_types(chat, head)
         unsent: dict[int, list] = {}  # sample -> its tokens not sent yet, with their logprobs (where asked for)
+        calls = _HeldCalls() if chat and _tools_on(body) else None
         offsets: dict[int, int] = {}  # sample -> where the next token's text starts in its completion
 
         def logprobs(index: int):
@@ -237,8 +256,9 @@ class _Server:
                 async for token in stream:
                     if token.logprob is not None:
                         unsent.setdefault(token.index, []).append(token)
-                    if token.text:
-                        yield _sse(envelope([piece(token.index, token.text, logprobs=logprobs(token.index))]))
+                    text = token.text and (calls.add(token.index, token.text) if calls is not None else token.text)
+                    if text:
+                        yield _sse(envelope([piece(token.index, text, logprobs=logprobs(token.index))]))
             except RequestError:
                 pass  # (the completion says why, below)
             done = stream.completion()
@@ -246,8 +266,14 @@ class _Server:
         if failure is not None:
             yield _sse(failure.body())
             return
-        for s in done.samples:  # (with the logprobs of tokens that added no text)
-            yield _sse(envelope([piece(s.index, finish=s.finish_reason, logprobs=logprobs(s.index))]))
+        for s in done.samples:  # (with the logprobs of tokens that added no text, and the calls it made)
+            content, found = calls.end(s.index) if calls is not None else (None, [])
+            if content or found:
+                yield _sse(envelope([p.ChatChunkChoice(index=s.index, delta=p.ChatDelta(content=content, tool_calls=[
+                    p.ToolCallDelta(index=j, **msgspec.structs.asdict(msgspec.convert(c, p.ToolCall)))
+                    for j, c in enumerate(found)] or None), logprobs=logprobs(s.index))]))
+            yield _sse(envelope([piece(s.index, finish="tool_calls" if found else s.finish_reason,
+                                       logprobs=logprobs(s.index))]))
         if body.stream_options is not None and body.stream_options.include_usage:
             yield _sse(envelope([], _usage(done)))
 
@@ -304,6 +330,41 @@ async def _finish(stream: TokenStream) -> Completion:
         except RequestError:
             pass
         return stream.completion()
+
+
+def _tools_on(body) -> bool:
+    """Whether a chat body offers tools (its reply is then read for calls)."""
+    return bool(getattr(body, "tools", None)) and getattr(body, "tool_choice", None) != "none"
+
+
+class _HeldCalls:
+    """A streamed reply that may be a tool call: each sample's text is held while it could still begin one, then
+    streamed as text if it does not; a reply that begins with a call is held to the end and sent as its calls."""
+
+    def __init__(self):
+        self.held: dict[int, str] = {}
+        self.calling: dict[int, bool] = {}  # sample -> True: a call, held to the end; False: text, streamed
+
+    def add(self, index: int, text: str) -> str:
+        """The text to stream now."""
+        if self.calling.get(index) is False:
+            return text
+        held = self.held[index] = self.held.get(index, "") + text
+        head = held.lstrip()
+        if self.calling.get(index) or head.startswith(chats.OPEN):
+            self.calling[index] = True
+            return ""
+        if chats.OPEN.startswith(head):
+            return ""
+        self.calling[index] = False
+        return self.held.pop(index)
+
+    def end(self, index: int) -> tuple[str | None, list[dict]]:
+        """What a sample held at its end: text, and the calls it made."""
+        held = self.held.pop(index, "")
+        if not self.calling.get(index):
+            return held or None, []
+        return chats.parse_tool_calls(held)
 
 
 def _chunk_types(chat: bool, head: dict) -> tuple[Callable, Callable]:

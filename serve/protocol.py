@@ -42,7 +42,7 @@ class ApiError(Exception):
 
 # -- responses ---------------------------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length"]  # a sample that failed or was cancelled is an error, not a finish
+FinishReason = Literal["stop", "length", "tool_calls"]  # a sample that failed or was cancelled is an error
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -99,9 +99,21 @@ class Completion(msgspec.Struct, kw_only=True):
     usage: Usage
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -140,9 +152,17 @@ class CompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
     usage: Usage | None = None
 
 
+class ToolCallDelta(msgspec.Struct, kw_only=True):
+    index: int
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
@@ -247,6 +267,27 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     grammar: str | None = None
 
 
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: Annotated[str, Meta(pattern="^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments (none: any object)
+    strict: bool | None = None  # (a required or named call's arguments match the schema either way)
+
+
+class Tool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # a torch generator's range (sample i uses seed + i)
 StopString = Annotated[str, Meta(min_length=1)]
 Stop = StopString | Annotated[list[StopString], Meta(max_length=4)] | None  # at most 4, as OpenAI's API
@@ -299,6 +340,19 @@ def request_bodies(model_name: str, max_n: int, vocab_size: int, max_tokens: int
         max_completion_tokens: tokens | None = None
         logprobs: bool | None = None
         top_logprobs: TopLogprobs = None
+        tools: list[Tool] | None = None
+        tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+        parallel_tool_calls: bool | None = None  # (a required choice allows several calls, a named one one)
+
+        def offered_tools(self) -> list[dict] | None:
+            """The tools as the chat template and the grammar read them; None where none are offered (no tools, or
+            `tool_choice` none)."""
+            if not self.tools or self.tool_choice == "none":
+                if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+                    raise ApiError(400, f"tool_choice {msgspec.to_builtins(self.tool_choice)!r} needs tools",
+                                   param="tool_choice")
+                return None
+            return msgspec.to_builtins(self.tools)
 
         def asked_logprobs(self) -> int | None:
             if self.top_logprobs and not self.logprobs:
@@ -313,9 +367,8 @@ _MISSING = re.compile(r"missing required field `([A-Za-z_]+)`$")
 
 
 NEUTRAL: dict[str, tuple] = {
-    "echo": (None, False), "best_of": (None, 1),
-    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
-    "functions": (None, []), "function_call": (None, "none"),
+    "echo": (None, False), "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none"),
 }
 """Fields this server does not implement, each with the values that ask for nothing of it (OpenAI's defaults, and
 null): SDKs and frameworks send them as they are; a body with any other value of them is refused with a 400."""

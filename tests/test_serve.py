@@ -290,3 +290,55 @@ def test_online_load_generator_reports_latency_percentiles(server):
     assert 0 < report["ttft_p50_ms"] <= report["ttft_p99_ms"]
     # (speculative steps hand out several tokens at once: many gaps between chunks are ~0)
     assert 0 <= report["itl_p50_ms"] <= report["itl_p99_ms"] and report["itl_p99_ms"] > 0
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "The weather in a city now.",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"type": "string", "maxLength": 20}},
+                                                 "required": ["city"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "clock", "description": "The time in a time zone.",
+                                          "parameters": {"type": "object", "properties": {
+                                              "zone": {"type": "string", "maxLength": 20}}, "required": ["zone"]}}}
+
+
+def test_tool_calls_round_trip_through_a_second_turn(server, client):
+    """tool_choice required and named hold the reply to calls whose arguments parse and match; the calls come back
+    as OpenAI's `tool_calls` (streamed as one delta), and a history holding them and the tool's answer replays."""
+    import json
+
+    import jsonschema
+
+    ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    out = client.chat.completions.create(model="smollm2", messages=ask, max_tokens=80, temperature=0,
+                                         tools=[WEATHER, CLOCK], tool_choice="required")
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        tool = {"weather": WEATHER, "clock": CLOCK}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    named = client.chat.completions.create(model="smollm2", messages=ask, max_tokens=80, temperature=0,
+                                           tools=[WEATHER, CLOCK],
+                                           tool_choice={"type": "function", "function": {"name": "clock"}})
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "clock" and "zone" in json.loads(call.function.arguments)
+    pieces = list(client.chat.completions.create(model="smollm2", messages=ask, max_tokens=80, temperature=0,
+                                                 tools=[WEATHER, CLOCK], tool_choice="required", stream=True))
+    streamed = [t for c in pieces if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [
+        (t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+    assert pieces[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(c.choices[0].delta.content for c in pieces if c.choices)  # (the call is not text)
+    history = ask + [choice.message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": t.id, "content": "12 C and raining"} for t in choice.message.tool_calls]
+    second = client.chat.completions.create(model="smollm2", messages=history, max_tokens=30, temperature=0,
+                                            tools=[WEATHER, CLOCK], tool_choice="none")
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+    free = client.chat.completions.create(model="smollm2", messages=ask, max_tokens=40, temperature=0,
+                                          tools=[WEATHER], tool_choice="auto")
+    message = free.choices[0].message  # (the model decides: either way the reply is well formed)
+    assert (message.tool_calls is None) == (free.choices[0].finish_reason != "tool_calls")
+    for body in ({"tool_choice": "required"}, {"tools": [WEATHER], "tool_choice": {"type": "function",
+                                                                                  "function": {"name": "nope"}}}):
+        r = httpx.post(server[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "smollm2", "messages": ask, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("tool_choice", "structured_outputs"), r.text

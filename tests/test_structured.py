@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from jitney import Engine, EngineConfig, Grammar, Request, RequestError, SamplingParams
+from jitney.core.chat import tool_grammar
 
 CONFIG = EngineConfig(num_blocks=512, max_batch_tokens=256)
 
@@ -104,3 +105,51 @@ async def test_regex_choice_and_any_object_beside_plain_requests(smollm2):
     assert isinstance(json.loads(obj.text)["code"], str)
     assert bad.finish_reason == "error" and "logits processor 'grammar' failed" in bad.error and "not JSON" in bad.error
     assert free.token_ids == (await run(smollm2, [Request(ids, plain)]))[0].token_ids  # (its batch went on)
+
+
+async def test_engine_chat_applies_the_template_as_the_server_does(smollm2):
+    """`Engine.chat` is the server's prompt: the tokenizer's template with the generation prompt; tools described
+    in the system message for a template without them; a call read back with `parse_tool_calls`."""
+    from jitney.core.chat import parse_tool_calls, prompt_ids
+
+    model, tokenizer = smollm2
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
+    ids = list(tokenizer.apply_chat_template([{"role": "user", "content": "Name a colour."}],
+                                             add_generation_prompt=True)["input_ids"])
+    tools = [{"type": "function", "function": {"name": "paint", "parameters": {"type": "object", "properties": {
+        "colour": {"type": "string", "maxLength": 10}}, "required": ["colour"]}}}]
+    async with Engine(model, tokenizer, CONFIG) as engine:
+        chat = await engine.chat(messages, SamplingParams(max_new_tokens=8))
+        plain = await engine.generate(Request(ids, SamplingParams(max_new_tokens=8)))
+        with_tools = prompt_ids(tokenizer, messages, tools)
+        call = await engine.generate(Request(with_tools, SamplingParams(
+            max_new_tokens=60, grammar=tool_grammar(tools, "required"))))
+    assert chat.prompt_token_ids == ids and chat.text == plain.text
+    assert "paint" in tokenizer.decode(with_tools) and len(with_tools) > len(ids)
+    content, calls = parse_tool_calls(call.text)
+    assert content is None and calls[0]["function"]["name"] == "paint"
+    assert isinstance(json.loads(calls[0]["function"]["arguments"])["colour"], str)
+
+
+def test_parse_tool_calls_reads_hermes_blocks_and_leaves_the_rest():
+    from jitney.core.chat import parse_tool_calls
+
+    content, calls = parse_tool_calls('Checking. <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>'
+                                      '<tool_call>not json</tool_call>')
+    assert [c["function"]["name"] for c in calls] == ["a"] and json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
+    assert content == "Checking. <tool_call>not json</tool_call>"
+    assert parse_tool_calls("no calls") == ("no calls", [])
+
+
+def test_llm_chat_is_engine_chat(smollm2):
+    from jitney import LLM
+
+    model, tokenizer = smollm2
+    conversation = [{"role": "user", "content": "Name a colour."}]
+
+    async def direct():
+        async with Engine(model, tokenizer, CONFIG) as engine:
+            return await engine.chat(conversation, SamplingParams(max_new_tokens=6))
+
+    [done] = LLM(model, CONFIG, tokenizer).chat([conversation], SamplingParams(max_new_tokens=6), progress=False)
+    assert done.token_ids == anyio.run(direct).token_ids
