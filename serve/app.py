@@ -98,9 +98,13 @@ class _Server:
                 ids = await self._tokenize(self._encode, body.prompt)
             else:
                 ids = body.prompt
+            if body.echo and body.logprobs is not None:
+                raise ApiError(400, "echo with logprobs would need the prompt's logprobs, which this server does not "
+                                    "compute: send one of them", param="echo")
+            echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else self.engine.decode(ids)
             await self._compile(params)
             stream = await self._submit(ids, params, body)
-        return await self._respond(request, body, stream, chat=False)
+        return await self._respond(request, body, stream, False, len(ids), echo)
 
     async def chat(self, request: HttpRequest) -> Response:
         body = await self._admit(request, self.ChatBody)
@@ -125,7 +129,7 @@ class _Server:
                     params = msgspec.structs.replace(params, grammar=calls)
             await self._compile(params)
             stream = await self._submit(ids, params, body)
-        return await self._respond(request, body, stream, chat=True)
+        return await self._respond(request, body, stream, True, len(ids))
 
     async def _admit(self, request: HttpRequest, kind: type):
         """The parsed body, once the engine and the queue's room for its samples are checked."""
@@ -193,10 +197,13 @@ class _Server:
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
 
-    async def _respond(self, request: HttpRequest, body, stream: TokenStream, chat: bool) -> Response:
+    async def _respond(self, request: HttpRequest, body, stream: TokenStream, chat: bool, prompt_tokens: int,
+                       echo: str = "") -> Response:
+        """The answer, streamed or whole; `echo`: text before each completion's (the prompt's, when asked for)."""
         headers = getattr(stream, "headers", None)  # (a fleet's stream names the replica serving it)
         if body.stream:
-            return StreamingResponse(self._events(body, stream, chat), media_type="text/event-stream", headers=headers)
+            return StreamingResponse(self._events(body, stream, chat, prompt_tokens, echo), media_type="text/event-stream",
+                                     headers=headers)
         present, done = await unless_disconnected(request, lambda: _finish(stream))
         if not present:  # the client left and its request was aborted: nobody reads this
             return Response(status_code=499)
@@ -216,22 +223,32 @@ class _Server:
                     finish_reason="tool_calls" if calls else s.finish_reason))
             return json_response(p.ChatCompletion(object="chat.completion", **common, choices=choices), headers=headers)
         return json_response(p.Completion(object="text_completion", **common, choices=[
-            p.CompletionChoice(index=s.index, text=s.text, logprobs=logprobs(s.token_ids, s.logprobs),
+            p.CompletionChoice(index=s.index, text=echo + s.text, logprobs=logprobs(s.token_ids, s.logprobs),
                                finish_reason=s.finish_reason) for s in done.samples]), headers=headers)
 
-    async def _events(self, body, stream: TokenStream, chat: bool) -> AsyncIterator[bytes]:
+    async def _events(self, body, stream: TokenStream, chat: bool, prompt_tokens: int, echo: str) -> AsyncIterator[bytes]:
         """Server-sent events: the chunks, then an error event if the request failed, then ``[DONE]``."""
         try:
-            async for event in self._chunks(body, stream, chat):
+            async for event in self._chunks(body, stream, chat, prompt_tokens, echo):
                 yield event
         except Exception as exc:  # (a bug of ours: the client still learns the stream is broken)
             log.exception("streaming %s failed", stream.request_id)
             yield _sse(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error").body())
         yield b"data: [DONE]\n\n"
 
-    async def _chunks(self, body, stream: TokenStream, chat: bool) -> AsyncIterator[bytes]:
+    async def _chunks(self, body, stream: TokenStream, chat: bool, prompt_tokens: int, echo: str) -> AsyncIterator[bytes]:
         head = {"id": stream.request_id, "created": int(time.time()), "model": self.model_name}
         envelope, piece = _chunk_types(chat, head)
+        options = body.stream_options
+        if options is not None and options.continuous_usage_stats:  # every chunk says the usage so far
+            counted, generated = envelope, [0]
+
+            def envelope(choices, usage=None):
+                done = generated[0]
+                return counted(choices, usage or p.Usage(prompt_tokens=prompt_tokens, completion_tokens=done,
+                                                         total_tokens=prompt_tokens + done))
+        else:
+            generated = None
         unsent: dict[int, list] = {}  # sample -> its tokens not sent yet, with their logprobs (where asked for)
         calls = _HeldCalls() if chat and _tools_on(body) else None
         offsets: dict[int, int] = {}  # sample -> where the next token's text starts in its completion
@@ -248,12 +265,13 @@ class _Server:
             return out
 
         async with stream:
-            if chat:
-                for i in range(body.n):
-                    yield _sse(envelope([piece(i, "", role="assistant")]))
+            for i in range(body.n if chat or echo else 0):
+                yield _sse(envelope([piece(i, echo, role="assistant")]))  # (the role in chat, the echo otherwise)
             try:
                 # the engine's token texts stop before any stop string: they add up to the sample's text
                 async for token in stream:
+                    if generated is not None:
+                        generated[0] += 1
                     if token.logprob is not None:
                         unsent.setdefault(token.index, []).append(token)
                     text = token.text and (calls.add(token.index, token.text) if calls is not None else token.text)

@@ -211,6 +211,7 @@ RESPONSES = (Completion, ChatCompletion, CompletionChunk, ChatCompletionChunk, M
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # (vLLM's: every chunk carries the usage so far)
 
 
 class TextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -330,6 +331,7 @@ def request_bodies(model_name: str, max_n: int, vocab_size: int, max_tokens: int
         prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[token_id], Meta(min_length=1)]
         max_tokens: tokens = 16
         logprobs: TopLogprobs = None  # the alternatives listed beside each token's (the drawn one among them)
+        echo: bool | None = None  # the prompt's text before the completion's (not its logprobs)
 
         def asked_logprobs(self) -> int | None:
             return self.logprobs

@@ -126,8 +126,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
         ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
         ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "max_tokens": 100000}', 400, "context"),
         ("/v1/completions", b'{"model": "gpt-9", "prompt": "hi"}', 404, "gpt-9"),
-        ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "echo": true, "best_of": 3}', 400,
-         "best_of, echo"),
+        ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "suffix": "!", "best_of": 3}', 400,
+         "best_of, suffix"),
+        ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "echo": true, "logprobs": 1}', 400, "echo"),
         ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "presence_penalty": 3}', 400, "presence_penalty"),
         ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "logit_bias": {"x": 1}}', 400, "logit_bias"),
         ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "logit_bias": {"99999999": 1}}', 400, "logit_bias"),
@@ -200,6 +201,19 @@ def test_penalties_and_logprobs_are_the_engines(client, expected, smollm2):
     chunks = [c.choices[0].logprobs for c in pieces if c.choices and c.choices[0].logprobs]
     assert [t for c in chunks for t in c.tokens] == lp.tokens
     assert [o for c in chunks for o in c.text_offset] == lp.text_offset
+
+
+def test_echo_and_continuous_usage(client, expected):
+    """echo puts the prompt before the completion, streamed or not; continuous_usage_stats gives every chunk the
+    usage so far."""
+    echoed = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + expected[0]
+    pieces = list(client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, echo=True,
+                                            stream=True, stream_options={"include_usage": True,
+                                                                         "continuous_usage_stats": True}))
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == PROMPT + expected[0]
+    counts = [c.usage.completion_tokens for c in pieces]
+    assert counts == sorted(counts) and counts[-1] == 12 and all(c.usage.prompt_tokens == 5 for c in pieces)
 
 
 def test_structured_output_through_the_openai_client(server, client):
