@@ -90,6 +90,26 @@ class StepProfile(msgspec.Struct, frozen=True):
                 f"total, over {self.steps} steps{drafts}")
 
 
+MAX_FIT_ERROR = 0.15
+"""A fitted profile whose mean error a step is above this is not saved: a quiet 2-core machine fits SmolLM2 within
+6-7%; 232% was seen while another process used the cores. (A workload run twice, at the start and at the end,
+moved +14.5% and -19.9% on a quiet machine: no finer gauge of the machine's noise than the fit itself.)"""
+
+
+def refusal(profile: StepProfile, current: StepProfile | None = None) -> str | None:
+    """Why `profile` should not become this machine's profile in place of `current` (None where it should)."""
+    if profile.fit_error > MAX_FIT_ERROR:
+        return (f"its fit error ({profile.fit_error:.1%} a step) is above {MAX_FIT_ERROR:.0%}: the steps' times were "
+                "too scattered for the cost model, usually because another process used the cores")
+    if current is not None and current.steps and current.fit_error < profile.fit_error:
+        return (f"the profile already saved fits better ({current.fit_error:.1%} a step against "
+                f"{profile.fit_error:.1%})")
+    return None
+
+
+WHAT_TO_DO = "run `jitney calibrate` again on a quiet machine (nothing else on its cores), or add --force to keep it"
+
+
 def fit(shapes: list[list[float]], seconds: list[float], sweeps: int = 2000) -> list[float]:
     """Least squares with every coefficient >= 0 (coordinate descent on the normal equations, the columns
     scaled to unit norm first): correlated features share the cost instead of one going negative."""
@@ -140,7 +160,7 @@ def profile_path(model: str) -> Path:
     return cache_dir() / "profiles" / f"{Path(model).name or 'model'}-{key}.json"
 
 
-CALIBRATION_S = 45
+CALIBRATION_S = 100
 """About how long `calibrate` takes for SmolLM2-135M on a 2-core CPU (said before a first-use calibration)."""
 
 
@@ -171,6 +191,9 @@ def profile_for(path: str | None, model: str, calibrate_missing: bool = True) ->
     print(f"no step-time profile for {model!r} on this machine: calibrating it now (once; ~{CALIBRATION_S} s for "
           f"SmolLM2-135M on 2 CPU cores)", file=sys.stderr)
     profile = calibrate_model(model)
+    why = refusal(profile)
+    if why:
+        raise ValueError(f"the calibration just run is not kept: {why}; {WHAT_TO_DO}")
     save_profile(profile, where)
     print(f"{profile.describe()}; saved to {where}", file=sys.stderr)
     return profile
@@ -247,6 +270,7 @@ def calibrate(model, tokenizer, model_name: str, progress: bool = False, **confi
     plan = [(work, 0) for work in calibration_workloads(vocab)]
     if tokenizer is not None:  # (speculative_tokens None: the engine's default, where it speculates)
         plan += [(chat(tokenizer, 1), None), (chat(tokenizer, 4), None)]
+
     bar = tqdm(total=sum(len(p) + n for work, _ in plan for p, n in work), desc="calibrating", unit="tok",
                disable=not progress, leave=False)
     for work, speculate in plan:
@@ -327,6 +351,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tflops", type=float, default=None, help="peak dense matmul TFLOP/s at the weights' type")
     parser.add_argument("--gbps", type=float, default=None, help="memory bandwidth, GB/s")
     parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes a weight and a KV value (2: bf16)")
+    parser.add_argument("--force", action="store_true",
+                        help="save the profile even where its fit is poor or the one saved fits better")
     parser.add_argument("--step-overhead-ms", type=float, default=None,
                         help="host time a step adds (launches, Python); default: the engine's own, measured here "
                              "with a forward that costs nothing (kernel launches not included)")
@@ -354,8 +380,20 @@ def main(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     profile = calibrate_model(args.model)
     out = Path(args.out) if args.out else profile_path(args.model)
-    save_profile(profile, out)
     print(f"{profile.describe()} ({time.perf_counter() - t:.0f} s)")
     print("seconds per unit: " + ", ".join(f"{n} {c:.3g}" for n, c in zip(FEATURES, profile.coefficients)))
+    current = None
+    if out.exists():
+        try:
+            current = msgspec.json.decode(out.read_bytes(), type=StepProfile)
+        except msgspec.DecodeError:
+            pass  # (not a profile: replaced)
+    why = refusal(profile, current)
+    if why and not args.force:
+        print(f"not written to {out}: {why}; {WHAT_TO_DO}", file=sys.stderr)
+        return 1
+    if why:
+        print(f"written anyway (--force), though {why}", file=sys.stderr)
+    save_profile(profile, out)
     print(f"written to {out}")
     return 0

@@ -237,6 +237,7 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
     # (bytes an element: an int8 row's scale counted in)
     stats.weights, stats.kv_itemsize = config.weights, k0.element_size() * k0.shape[-1] / head_dim
     stats.compute = engine.config.compute  # (resolved: a bf16 model's default may be bf16)
+    stats.eviction = eviction
     arrivals = getattr(args, "arrivals", None)
     out: list[list[int]] = [[] for _ in work]
 
@@ -324,31 +325,43 @@ def _check_llama_cpp(args) -> None:
         raise ValueError("the llama-cpp modes run the embedded SmolLM2's GGUF: use them with --model smollm2")
 
 
+JITNEY_MODES: dict[str, dict] = {
+    "jitney": {}, "jitney-nocache": {"sharing": False},
+    "jitney-nospec": {"speculative_tokens": 0, "lookup_tokens": 0}, "jitney-nolookup": {"lookup_tokens": 0},
+    "jitney-unfused": {"fuse_cpu_layers": False}, "jitney-noscreen": {"lm_head_screen": False},
+    "jitney-int8": {"weights": "int8"}, "jitney-w8a8": {"weights": "w8a8"}, "jitney-bf16": {"weights": "bf16"},
+    "jitney-bf16c": {"compute": "bf16"}, "jitney-kvbf16": {"kv_cache_dtype": "bf16"},
+    "jitney-kvint8": {"kv_cache_dtype": "int8"},
+}
+"""Each jitney mode and the `run_jitney` arguments it runs with (every one of them once per `--eviction` policy)."""
+
+
+def eviction_policies(args) -> list[str]:
+    """The `--eviction` policies, each checked against those registered (a misspelled one is an error before any
+    run, not a run under another policy)."""
+    from jitney.core.hooks import make_plugin_manager, registry
+
+    known = registry(make_plugin_manager(), "eviction policy").factories
+    policies = [p.strip() for p in args.eviction.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in known]
+    if unknown or not policies:
+        raise ValueError(f"unknown eviction policy {', '.join(map(repr, unknown)) or '(none given)'}; registered: "
+                         f"{', '.join(sorted(known))}")
+    return policies
+
+
 def runs(args, peers: Mapping[str, Peer] = PEERS) -> list[tuple[str, Callable]]:
-    """(label, runner) for each requested mode; jitney runs once per eviction policy; `peers` by name, each run
-    in a child process (its runner raises `PeerFailed` when that child crashes)."""
+    """(label, runner) for each requested mode; each jitney mode runs once per eviction policy (labelled
+    ``mode[policy]`` unless the one policy is the default); `peers` by name, each run in a child process (its
+    runner raises `PeerFailed` when that child crashes)."""
     out = []
+    policies = eviction_policies(args)
     for mode in args.modes.split(","):
-        if mode == "jitney":
-            for policy in args.eviction.split(","):
-                label = "jitney" if policy == "mru" and "," not in args.eviction else f"jitney[{policy}]"
-                out.append((label, lambda m, t, w, a, p=policy: run_jitney(m, t, w, a, eviction=p)))
-        elif mode == "jitney-nocache":
-            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, sharing=False)))
-        elif mode == "jitney-nospec":
-            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, speculative_tokens=0, lookup_tokens=0)))
-        elif mode == "jitney-nolookup":
-            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, lookup_tokens=0)))
-        elif mode == "jitney-unfused":
-            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, fuse_cpu_layers=False)))
-        elif mode == "jitney-noscreen":
-            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, lm_head_screen=False)))
-        elif mode in ("jitney-int8", "jitney-w8a8", "jitney-bf16"):
-            out.append((mode, lambda m, t, w, a, q=mode[7:]: run_jitney(m, t, w, a, weights=q)))
-        elif mode == "jitney-bf16c":
-            out.append((mode, lambda m, t, w, a: run_jitney(m, t, w, a, compute="bf16")))
-        elif mode in ("jitney-kvbf16", "jitney-kvint8"):
-            out.append((mode, lambda m, t, w, a, kv=mode[9:]: run_jitney(m, t, w, a, kv_cache_dtype=kv)))
+        if mode in JITNEY_MODES:
+            for policy in policies:
+                label = mode if policies == ["mru"] else f"{mode}[{policy}]"
+                out.append((label, lambda m, t, w, a, p=policy, kw=JITNEY_MODES[mode]:
+                            run_jitney(m, t, w, a, eviction=p, **kw)))
         elif mode in ("hf-cb", "hf-static"):
             out.append((mode, run_hf_cb if mode == "hf-cb" else run_hf_static))
         elif mode in peers:
@@ -474,7 +487,8 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
                     "draft_accepted_share": round(stats.accepted / max(1, stats.drafted), 3)}
             if stats.attention_s is not None:  # (draft passes included)
                 row["attention_share"] = round(stats.attention_s / wall, 3)
-            row |= {"step_shapes": stats.recorder.shapes, "weights": stats.weights,  # (set by `run_jitney`)
+            row |= {"eviction": stats.eviction, "blocks_evicted": stats.evicted,
+                    "step_shapes": stats.recorder.shapes, "weights": stats.weights,  # (set by `run_jitney`)
                     "kv_itemsize": stats.kv_itemsize, "compute": stats.compute}
             if getattr(stats, "memory", None) is not None:  # (what the engine held, by part: `Engine.memory`)
                 row["memory_mib"] = {k: round(getattr(stats.memory, k) / 2**20, 1) for k in stats.memory.__struct_fields__}

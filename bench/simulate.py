@@ -327,6 +327,7 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timel
         "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1) if wall > 0 else math.inf,
         "prefix_hit_rate": round(timeline.hit / max(1, timeline.query), 3), "prompt_tokens_computed": timeline.prefill,
         "steps": sum(f.steps for f in forwards), "preemptions": timeline.preemptions, "refused": timeline.refused,
+        "blocks_evicted": timeline.evicted,
         "ttft_p50_ms": percentile_ms(timeline.ttft, 0.5), "ttft_p99_ms": percentile_ms(timeline.ttft, 0.99),
         "itl_p50_ms": percentile_ms(timeline.gaps, 0.5), "itl_p99_ms": percentile_ms(timeline.gaps, 0.99),
         "speculative_steps": timeline.speculative_steps, "draft_tokens": timeline.drafted,
@@ -372,6 +373,7 @@ def main(args: argparse.Namespace) -> int:
         row["with_startup_s"] = round(time.perf_counter() - t, 2)
         rows.append(row)
         print(f"  {row['mode']}: {row['wall_s']} s simulated, hit rate {row['prefix_hit_rate']:.0%}, "
+              f"{row['blocks_evicted']} cached blocks evicted, "
               f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms ({row['simulated_in_s']} s to run, "
               f"{row['with_startup_s']} s with start-up)")
         if "requests_per_replica" in row:

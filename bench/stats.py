@@ -24,6 +24,8 @@ class StepStats:
         self.gaps: list[float] = []  # seconds between consecutive tokens of a request, as its consumer saw them
         self.slots_allocated = self.slots_used = 0  # summed over steps: KV slots held vs tokens they hold
         self.drafted = self.accepted = self.speculative_steps = 0
+        self.evicted = 0  # cached blocks given up to make room (`StepCompleted.blocks_demoted`)
+        self.eviction: str | None = None  # the policy, set by the run
         self.ttft: list[float] = []  # queueing to first token, per request
         self.attention_s: float | None = None  # seconds in attention, where the one-call decoder says
         self.memory = None  # what the engine held, by part (`Engine.memory()`), set by the run
@@ -45,6 +47,7 @@ class StepStats:
                 self.drafted += e.draft_tokens
                 self.accepted += e.accepted_tokens
                 self.speculative_steps += e.draft_tokens > 0
+                self.evicted += e.blocks_demoted
                 if not self.slots:
                     continue
                 cache = engine.cache

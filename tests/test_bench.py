@@ -176,3 +176,18 @@ def test_shaped_models_are_built_in_the_dtype_asked():
         model = shaped_model("mistral-7b-random", torch.bfloat16)
     assert 7.2e9 < sum(p.numel() for p in model.parameters()) < 7.3e9  # Mistral 7B v0.3's, 32,768 tokens
     assert model.config.sliding_window is None  # (full attention: the one-call decoder and speculation serve it)
+
+
+def test_every_jitney_mode_runs_once_per_eviction_policy_and_a_misspelled_one_is_an_error():
+    from jitney.bench.run import runs
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--modes", "jitney,jitney-nolookup,hf-cb", "--eviction", "lru,2q"])
+    assert [label for label, _ in runs(args)] == ["jitney[lru]", "jitney[2q]", "jitney-nolookup[lru]",
+                                                 "jitney-nolookup[2q]", "hf-cb"]
+    args = parser.parse_args(["--modes", "jitney-nolookup"])
+    assert [label for label, _ in runs(args)] == ["jitney-nolookup"]
+    args = parser.parse_args(["--modes", "jitney-nolookup", "--eviction", "gdsff,lru"])
+    with pytest.raises(ValueError, match="unknown eviction policy 'gdsff'; registered: 2q, fifo, lfu, lru, mru"):
+        runs(args)

@@ -375,3 +375,34 @@ def test_a_trace_recorded_without_token_ids_keeps_the_prefix_sharing_and_no_text
     assert any(0 < n < 2 for _, row in structure([a.prompt for a in work]) for n in row)  # some share a block
     row = simulate(meta_model(str(tiny_config)), replay, SHAPED, plugins=[Registers()], **CONFIG)
     assert row["prefix_hit_rate"] > 0
+
+
+def test_calibration_refuses_a_noisy_fit_and_keeps_a_better_profile(tiny_config, tmp_path, monkeypatch, capsys):
+    """A fit error above 15%, or a profile worse than the one saved: not written (exit 1, the reason and what to do), unless --force; the first simulation on a machine
+    refuses to keep a noisy calibration too."""
+    from msgspec.structs import replace
+
+    from jitney.bench import profile
+    from jitney.cli import main
+
+    assert profile.refusal(SHAPED) is None
+    noisy = replace(SHAPED, fit_error=2.319, steps=500)
+    assert "fit error (231.9% a step) is above 15%" in profile.refusal(noisy)
+    good, fine = replace(SHAPED, fit_error=0.04, steps=500), replace(SHAPED, fit_error=0.06, steps=500)
+    assert "already saved fits better (4.0% a step against 6.0%)" in profile.refusal(fine, good)
+    assert profile.refusal(good, fine) is None
+
+    out = tmp_path / "p.json"
+    for fitted, code, kept in ((good, 0, good), (noisy, 1, good), (fine, 1, good), (fine, 0, fine)):
+        monkeypatch.setattr(profile, "calibrate_model", lambda model, fitted=fitted: fitted)
+        force = ["--force"] if fitted is fine and kept is fine else []
+        assert main(["calibrate", "--model", "x", "--out", str(out), *force]) == code
+        assert load_profile(str(out), "x") == kept
+    assert "run `jitney calibrate` again on a quiet machine" in capsys.readouterr().err
+
+    monkeypatch.setenv("JITNEY_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(profile, "calibrate_model", lambda model: noisy)
+    assert main(["simulate", "--model", str(tiny_config.parent), "--workload", "mixed-16"]) == 2
+    assert "the calibration just run is not kept" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError):
+        load_profile(None, str(tiny_config.parent))
