@@ -83,24 +83,46 @@ def _with_tools_described(messages: list[dict], tools: list[dict]) -> list[dict]
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """The calls a reply makes (``{"id", "type": "function", "function": {"name", "arguments" (a JSON string)}}``, as
-    OpenAI's API returns them) and the text around them (None where there is none). A block that is not a JSON
-    object with a name stays text."""
+    OpenAI's API returns them) and the text around them (None where there is none): Hermes-style blocks
+    (``<tool_call>{...}</tool_call>``: Qwen, SmolLM, and the form asked of templates without tools), or a reply
+    that is nothing but a call object or a list of them (``{"name": ..., "parameters": ...}``: Llama 3.1's
+    templates; Mistral's list, its special token skipped). A block that is not a JSON object with a name stays
+    text."""
     calls, kept, last = [], [], 0
     for m in _CALL.finditer(text):
-        try:
-            call = json.loads(m.group(1))
-        except json.JSONDecodeError:
+        call = _as_call(m.group(1))
+        if call is None:
             continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        args = call.get("arguments", call.get("parameters", {}))
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"], "arguments": json.dumps(args)}})
+        calls.append(call)
         kept.append(text[last : m.start()])
         last = m.end()
     kept.append(text[last:])
-    rest = "".join(kept).strip()
-    return (rest or None) if calls else text, calls
+    if calls:
+        return "".join(kept).strip() or None, calls
+    whole = text.strip()
+    if whole[:1] in ("{", "["):
+        try:
+            value = json.loads(whole)
+        except json.JSONDecodeError:
+            return text, []
+        found = [_as_call(v) for v in (value if isinstance(value, list) else [value])]
+        if found and all(c is not None for c in found):
+            return None, found
+    return text, []
+
+
+def _as_call(call) -> dict | None:
+    """OpenAI's form of one call given as JSON (text or parsed), or None where it is not one."""
+    if isinstance(call, str):
+        try:
+            call = json.loads(call)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    args = call.get("arguments", call.get("parameters", {}))
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
 
 
 def tool_grammar(tools: list[dict], choice) -> Grammar | None:

@@ -357,7 +357,9 @@ def _tools_on(body) -> bool:
 
 class _HeldCalls:
     """A streamed reply that may be a tool call: each sample's text is held while it could still begin one, then
-    streamed as text if it does not; a reply that begins with a call is held to the end and sent as its calls."""
+    streamed as text if it does not; a reply that begins with a call (a ``<tool_call>`` block, or JSON: a call
+    object or a list of them, `chats.parse_tool_calls`) is held to the end and sent as its calls, or as text where
+    it turns out to be none."""
 
     def __init__(self):
         self.held: dict[int, str] = {}
@@ -369,7 +371,7 @@ class _HeldCalls:
             return text
         held = self.held[index] = self.held.get(index, "") + text
         head = held.lstrip()
-        if self.calling.get(index) or head.startswith(chats.OPEN):
+        if self.calling.get(index) or head.startswith(chats.OPEN) or head[:1] in ("{", "["):
             self.calling[index] = True
             return ""
         if chats.OPEN.startswith(head):

@@ -202,6 +202,14 @@ def test_penalties_and_logprobs_are_the_engines(client, expected, smollm2):
     assert [t for c in chunks for t in c.tokens] == lp.tokens
     assert [o for c in chunks for o in c.text_offset] == lp.text_offset
 
+    favoured = tokenizer.encode(" Lyon", add_special_tokens=False)[0]
+    biased = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=3, temperature=0,
+                                       logit_bias={str(favoured): 100})
+    assert biased.choices[0].text == tokenizer.decode([favoured] * 3)
+    only_likeliest = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=3,
+                                               extra_body={"min_p": 1.0})
+    assert only_likeliest.choices[0].text == expected[0]  # (min_p 1 keeps the likeliest token alone: greedy)
+
 
 def test_echo_and_continuous_usage(client, expected):
     """echo puts the prompt before the completion, streamed or not; continuous_usage_stats gives every chunk the
@@ -356,3 +364,16 @@ def test_tool_calls_round_trip_through_a_second_turn(server, client):
         r = httpx.post(server[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                        json={"model": "smollm2", "messages": ask, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] in ("tool_choice", "structured_outputs"), r.text
+
+
+def test_a_streamed_reply_is_held_only_while_it_may_be_a_call():
+    from jitney.serve.app import _HeldCalls
+
+    held = _HeldCalls()
+    assert held.add(0, " <tool") == "" and held.add(0, "ing is fun") == " <tooling is fun"
+    assert held.add(1, '{"name": "a", ') == "" and held.add(1, '"arguments": {}}') == ""
+    content, calls = held.end(1)
+    assert content is None and calls[0]["function"] == {"name": "a", "arguments": "{}"}
+    assert held.add(2, '{"x": 1}') == "" and held.end(2) == ('{"x": 1}', [])  # (JSON, but no call: text at the end)
+    assert held.add(3, "Hello") == "Hello" and held.add(3, " <tool_call>") == " <tool_call>"
+    assert held.end(3) == (None, [])

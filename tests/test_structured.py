@@ -153,3 +153,14 @@ def test_llm_chat_is_engine_chat(smollm2):
 
     [done] = LLM(model, CONFIG, tokenizer).chat([conversation], SamplingParams(max_new_tokens=6), progress=False)
     assert done.token_ids == anyio.run(direct).token_ids
+
+
+def test_parse_tool_calls_reads_a_reply_that_is_only_json_calls():
+    from jitney.core.chat import parse_tool_calls
+
+    content, calls = parse_tool_calls(' {"name": "weather", "parameters": {"city": "Oslo"}}')
+    assert content is None and calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    content, calls = parse_tool_calls('[{"name": "a", "arguments": {}}, {"name": "b", "arguments": "{\\"x\\": 1}"}]')
+    assert [c["function"]["arguments"] for c in calls] == ["{}", '{"x": 1}']
+    assert parse_tool_calls('{"colour": "red"}') == ('{"colour": "red"}', [])  # (JSON, but no call)
+    assert parse_tool_calls("[1, 2") == ("[1, 2", [])
