@@ -125,9 +125,9 @@ def _as_call(call) -> dict | None:
             "function": {"name": call["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
 
 
-def tool_grammar(tools: list[dict], choice) -> Grammar | None:
-    """The grammar a reply must match under `tool_choice`: "required" (a call of any of `tools`, one or more) or a
-    named function (one call of it); None for "auto" and "none" (free text)."""
+def tool_grammar(tools: list[dict], choice, parallel: bool = True) -> Grammar | None:
+    """The grammar a reply must match under `tool_choice`: "required" (a call of any of `tools`, one or more; one
+    where not `parallel`) or a named function (one call of it); None for "auto" and "none" (free text)."""
     if choice in (None, "auto", "none"):
         return None
     fns = [t.get("function", t) for t in tools]
@@ -143,7 +143,7 @@ def tool_grammar(tools: list[dict], choice) -> Grammar | None:
                 "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     call = f'"{OPEN}" %json {json.dumps(schema)} "{CLOSE}"'
-    many = "+" if choice == "required" else ""
+    many = "+" if choice == "required" and parallel else ""
     return Grammar.lark(f"start: call{many}\ncall: {call}\n")
 
 

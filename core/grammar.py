@@ -5,7 +5,7 @@ Each sample has its own matcher, made at its first sampled row and fed the token
 matcher's mask of the tokens that keep the output in the language sets every other logit to -inf. Grammars are
 compiled from their spec once per engine and cached by it (`Grammars.grammar`), on whichever thread asks first —
 the server's tokenizing thread, or the forward thread — never on the event loop; the tokenizer's index for the
-masks (~1 s to build for a 50k vocabulary) likewise, once. Once the grammar is complete, only end-of-sequence
+masks (0.4 s to build for SmolLM2's 49,152 tokens) likewise, once. Once the grammar is complete, only end-of-sequence
 tokens remain allowed: the request ends on one ("stop").
 """
 
@@ -57,7 +57,7 @@ def _llguidance():
     try:
         import llguidance
     except ImportError:
-        raise RuntimeError("structured output needs llguidance: pip install 'jitney[structured]' (or llguidance)") from None
+        raise RuntimeError("structured output needs llguidance, a dependency of jitney: pip install llguidance") from None
     return llguidance
 
 

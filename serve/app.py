@@ -119,7 +119,7 @@ class _Server:
             if tools:  # a required or named call: the reply held to the calls' grammar
                 choice = msgspec.to_builtins(body.tool_choice) if body.tool_choice is not None else "auto"
                 try:
-                    calls = chats.tool_grammar(tools, choice)
+                    calls = chats.tool_grammar(tools, choice, parallel=body.parallel_tool_calls is not False)
                 except ValueError as exc:
                     raise ApiError(400, str(exc), param="tool_choice") from None
                 if calls is not None and params.grammar is not None:

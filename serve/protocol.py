@@ -344,7 +344,7 @@ def request_bodies(model_name: str, max_n: int, vocab_size: int, max_tokens: int
         top_logprobs: TopLogprobs = None
         tools: list[Tool] | None = None
         tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-        parallel_tool_calls: bool | None = None  # (a required choice allows several calls, a named one one)
+        parallel_tool_calls: bool | None = None  # (false: a required choice makes one call; a named one always does)
 
         def offered_tools(self) -> list[dict] | None:
             """The tools as the chat template and the grammar read them; None where none are offered (no tools, or

@@ -141,6 +141,15 @@ def test_parse_tool_calls_reads_hermes_blocks_and_leaves_the_rest():
     assert parse_tool_calls("no calls") == ("no calls", [])
 
 
+def test_a_required_call_is_one_call_where_calls_are_not_parallel():
+    tools = [{"type": "function", "function": {"name": "a"}}]
+    assert tool_grammar(tools, "required").spec.startswith("start: call+\n")
+    assert tool_grammar(tools, "required", parallel=False).spec.startswith("start: call\n")
+    assert tool_grammar(tools, "auto") is None
+    with pytest.raises(ValueError, match="'b', which is not among the tools"):
+        tool_grammar(tools, {"type": "function", "function": {"name": "b"}})
+
+
 def test_llm_chat_is_engine_chat(smollm2):
     from jitney import LLM
 
