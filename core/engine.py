@@ -280,7 +280,7 @@ class Engine:
         seq.forks = [Sequence(request, prompt_ids, stop, self._arrivals, seq.collector, i, request_id, seq.t_queued)
                      for i in range(1, request.params.n)]
         for sample in (seq, *seq.forks):
-            sample.processors = chain
+            sample.set_processors(chain)
         self._arrivals += 1
         self.requests[request_id] = seq.collector
         self.waiting.append(seq)

@@ -48,7 +48,7 @@ class PreparedStep:
     `FusedDecoder.check`): each entry then gets one to ``len + 1`` tokens."""
     rows: list[Row | None] | None = None
     """Per sample (as `params`), what its logits processors read (None for a row without any); None when no row
-    of the step needs its whole logits (`SamplingParams.needs_logits`)."""
+    of the step needs its whole logits (`Sequence.needs_logits`)."""
 
 
 class StepExecutor:

@@ -125,7 +125,7 @@ def processor(grammars: Grammars):
         if matcher.is_error():
             raise RuntimeError(f"the grammar failed: {matcher.get_error()}")
         # token t is bit t % 32 of 32-bit word t // 32: bit t % 8 of byte t // 8 (little-endian). numpy, not torch:
-        # torch's elementwise ops on the forward thread cost ~0.4 ms a row here against ~40 us.
+        # unpacking by shifts and `masked_fill` took ~90 us a row against ~40 us (SmolLM2's 49,152 tokens).
         bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         n = logits.numel()
         allowed = (bits[:n] if bits.size >= n else np.concatenate([bits, np.zeros(n - bits.size, np.uint8)])).view(bool)

@@ -89,19 +89,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
-    @property
-    def shaped(self) -> bool:
-        """Whether logits processors edit its row before the token is chosen (penalties, bias, `min_tokens`, a
-        grammar, those it names)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.processors or self.grammar is not None)
-
-    @property
-    def needs_logits(self) -> bool:
-        """Whether its row needs the step's whole logits: shaped, or reporting logprobs. Such rows take no
-        shortcut that skips them (the LM head's int8 screen, speculation, prompt lookup, steps run ahead)."""
-        return self.logprobs is not None or self.shaped
-
 
 MAX_LOGPROBS = 20
 """The most alternatives a token's logprobs may list (OpenAI's bound)."""

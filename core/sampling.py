@@ -24,11 +24,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     errors: dict[int, str] = {}
     logprobs: dict[int, Logprobs] = {}
     for i, (p, gen) in enumerate(zip(params, generators)):
-        if p.greedy and not p.needs_logits:
+        state = rows[i] if rows is not None else None
+        if p.greedy and state is None and p.logprobs is None:
             continue
         try:
             row = logits[i].float()
-            state = rows[i] if rows is not None else None
             shaped = shape(row, state) if state is not None else row
             if not p.greedy:
                 tokens[i] = _draw(shaped, p, gen)

@@ -82,10 +82,12 @@ class Sequence:
         # read for every token: kept here so that a step does not touch the params
         self.max_new_tokens = self.params.max_new_tokens
         self.stop_strings = self.params.stop
-        self.needs_logits = self.params.needs_logits
         # with `params.logprobs`: each output token's (log-probability, likeliest alternatives), in order
         self.logprobs: list | None = None if self.params.logprobs is None else []
-        self.processors: tuple = ()  # the logits processors its rows run (`processors.chain`), set by the engine
+        self.processors: tuple = ()  # the logits processors its rows run (`processors.chain`): `set_processors`
+        # whether its rows need the step's whole logits (logprobs, or processors: `set_processors`), and so take no
+        # shortcut that skips them (the LM head's int8 screen, speculation, prompt lookup, steps run ahead)
+        self.needs_logits = self.logprobs is not None
         self.state: dict = {}  # theirs, from step to step (`processors.Row.state`)
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
@@ -111,6 +113,10 @@ class Sequence:
         self.t_first_token: float | None = None
         self.ngrams = None  # where its short runs of tokens occurred (`lookup.NgramIndex`), made at first use
         self.computed_before = 0  # tokens it had in the cache before its latest soft reset (they compute again)
+
+    def set_processors(self, chain: tuple) -> None:
+        self.processors = chain
+        self.needs_logits = bool(chain) or self.logprobs is not None
 
     @property
     def num_tokens(self) -> int:

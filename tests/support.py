@@ -75,6 +75,34 @@ async def engine_tokens(model, work, **config) -> list[list[int]]:
     return [out[i] for i in range(len(work))]
 
 
+async def finish(engine, request):
+    """Run `request` through `engine` to its end, a failed one too: its completion says why."""
+    from jitney import RequestError
+
+    async with engine.stream(request) as stream:
+        try:
+            async for _ in stream:
+                pass
+        except RequestError:
+            pass
+        return stream.completion()
+
+
+async def complete_all(engine, requests) -> list:
+    """`requests` submitted at once to `engine`; their completions (`finish`), in order."""
+    import anyio
+
+    out = {}
+
+    async def one(i: int) -> None:
+        out[i] = await finish(engine, requests[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(requests)):
+            tg.start_soon(one, i)
+    return [out[i] for i in range(len(requests))]
+
+
 def random_requests(n: int, vocab: int, max_prompt: int = 60, max_new: int = 24, seed: int = 0):
     rng = random.Random(seed)
     return [([rng.randrange(3, vocab) for _ in range(rng.randint(1, max_prompt))], rng.randint(1, max_new)) for _ in range(n)]

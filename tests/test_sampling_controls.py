@@ -3,13 +3,12 @@ transformers has the same control, and rows that need their whole logits kept of
 
 from __future__ import annotations
 
-import anyio
 import pytest
 import torch
-from support import random_requests
+from support import complete_all, random_requests
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from jitney import Engine, EngineConfig, Request, RequestError, SamplingParams
+from jitney import Engine, EngineConfig, Request, SamplingParams
 from jitney.core.hooks import hookimpl
 from jitney.core.processors import BUILTIN, Row, chain, repetition_penalty, shape
 from jitney.core.sampling import sample
@@ -31,15 +30,8 @@ def model_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 async def run(model, requests: list[Request], **config):
-    out = {}
     async with Engine(model, config=EngineConfig(num_blocks=64, block_size=4, **config)) as engine:
-        async def one(i, req):
-            out[i] = await engine.generate(req)
-
-        async with anyio.create_task_group() as tg:
-            for i, req in enumerate(requests):
-                tg.start_soon(one, i, req)
-    return [out[i] for i in range(len(requests))]
+        return await complete_all(engine, requests)
 
 
 def test_repetition_penalty_is_transformers_bit_for_bit():
@@ -188,9 +180,9 @@ async def test_a_plugins_logits_processor_edits_only_the_rows_that_name_it(llama
     banned = plain[0]
     async with Engine(llama, config=EngineConfig(num_blocks=64, block_size=4), plugins=[NoToken()]) as engine:
         params = SamplingParams(max_new_tokens=6, ignore_eos=True, processors=("ban",), extra_args={"ban": banned})
-        edited, same = await run_in(engine, [Request(prompt, params), Request(prompt, SamplingParams(max_new_tokens=6))])
+        edited, same = await complete_all(engine, [Request(prompt, params), Request(prompt, SamplingParams(max_new_tokens=6))])
         bad = SamplingParams(max_new_tokens=6, processors=("broken",))
-        failed, fine = await run_in(engine, [Request(prompt, bad), Request(prompt, SamplingParams(max_new_tokens=6))])
+        failed, fine = await complete_all(engine, [Request(prompt, bad), Request(prompt, SamplingParams(max_new_tokens=6))])
         for name, words in (("nope", "is not registered"), ("penalties", "runs by itself")):
             with pytest.raises(ValueError, match=f"'{name}' {words}.*ban, broken"):
                 engine.submit(Request(prompt, SamplingParams(processors=(name,))))
@@ -198,20 +190,3 @@ async def test_a_plugins_logits_processor_edits_only_the_rows_that_name_it(llama
     assert failed.finish_reason == "error" and "logits processor 'broken' failed: KeyError" in failed.error
     assert fine.token_ids == plain  # (the batch it was in goes on)
 
-
-async def run_in(engine, requests):
-    out = {}
-
-    async def one(i, req):  # (a failed request too: its completion says why)
-        async with engine.stream(req) as stream:
-            try:
-                async for _ in stream:
-                    pass
-            except RequestError:
-                pass
-            out[i] = stream.completion()
-
-    async with anyio.create_task_group() as tg:
-        for i, req in enumerate(requests):
-            tg.start_soon(one, i, req)
-    return [out[i] for i in range(len(requests))]

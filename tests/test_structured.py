@@ -10,8 +10,9 @@ import re
 import anyio
 import jsonschema
 import pytest
+from support import complete_all
 
-from jitney import Engine, EngineConfig, Grammar, Request, RequestError, SamplingParams
+from jitney import Engine, EngineConfig, Grammar, Request, SamplingParams
 from jitney.core.chat import tool_grammar
 
 CONFIG = EngineConfig(num_blocks=512, max_batch_tokens=256)
@@ -43,27 +44,10 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"])
 
 
-async def finish(engine, request):
-    async with engine.stream(request) as stream:
-        try:
-            async for _ in stream:
-                pass
-        except RequestError:
-            pass
-        return stream.completion()
-
-
 async def run(smollm2, requests):
     model, tokenizer = smollm2
-    out = {}
     async with Engine(model, tokenizer, CONFIG) as engine:
-        async def one(i, req):
-            out[i] = await finish(engine, req)
-
-        async with anyio.create_task_group() as tg:
-            for i, req in enumerate(requests):
-                tg.start_soon(one, i, req)
-    return [out[i] for i in range(len(requests))]
+        return await complete_all(engine, requests)
 
 
 def test_grammar_values():
