@@ -418,22 +418,21 @@ class TokenPieces:
             self.byte_of = _byte_level_alphabet()
 
     def piece(self, token_id: int) -> tuple[str, list[int]]:
-        known = self.cache.get(token_id)
-        if known is not None:
-            return known
+        known = self.cache.get(token_id)  # (at most the vocabulary's size: ids come from the model's head)
+        if known is None:
+            known = self.cache[token_id] = self._piece(token_id)
+        return known
+
+    def _piece(self, token_id: int) -> tuple[str, list[int]]:
         if self.tokenizer is None:
-            text, raw = f"token_id:{token_id}", None
-        else:
-            text = self.tokenizer.decode([token_id])
-            raw = None
-            if self.byte_level:
-                name = self.tokenizer.convert_ids_to_tokens(token_id)
-                if name and all(c in self.byte_of for c in name):
-                    raw = [self.byte_of[c] for c in name]
-        if len(self.cache) < 1 << 17:
-            self.cache[token_id] = (text, raw if raw is not None else list(text.encode()))
-            return self.cache[token_id]
-        return text, raw if raw is not None else list(text.encode())
+            text = f"token_id:{token_id}"
+            return text, list(text.encode())
+        text = self.tokenizer.decode([token_id])
+        if self.byte_level:
+            name = self.tokenizer.convert_ids_to_tokens(token_id)
+            if name and all(c in self.byte_of for c in name):
+                return text, [self.byte_of[c] for c in name]
+        return text, list(text.encode())
 
     def chat_logprobs(self, token_ids: list[int], logprobs) -> p.ChatLogprobs | None:
         if logprobs is None:
