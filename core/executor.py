@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from jitney.cache.manager import CacheManager
 from jitney.core.graphs import StaticDecoder, StaticDecodeStep
 from jitney.core.request import SamplingParams
 from jitney.core.processors import Row
-from jitney.core.sampling import Logprobs, sample
+from jitney.core.sampling import Logprobs, greedy_run, sample
 from jitney.core.sequence import Sequence
 from jitney.kernels.base import STEP_KWARG, AttentionBackend, StepInputs, int_tensor
 
@@ -205,8 +206,10 @@ class StepExecutor:
             self.zero_new_blocks(p)
             result: list[list[int] | None] = [None] * p.num_entries
             if p.speculate or p.proposals:
-                runs = (self.decoder.speculate(p.input_ids, p.positions, p.step, p.speculate, started) if p.speculate
-                        else self.decoder.check(p.input_ids, p.positions, p.step, p.proposals, started))
+                verify = None if p.rows is None else partial(self._verified, p)
+                d = self.decoder
+                runs = (d.speculate(p.input_ids, p.positions, p.step, p.speculate, started, verify) if p.speculate
+                        else d.check(p.input_ids, p.positions, p.step, p.proposals, started, verify))
                 for i, run in zip(p.sampled_entries, runs):
                     result[i] = run
             else:
@@ -237,6 +240,26 @@ class StepExecutor:
                 if why is not None:
                     self.row_errors[i] = why
             start += count
+
+    def _verified(self, p: PreparedStep, logits: torch.Tensor, proposals: list[list[int]]) -> list[list[int]]:
+        """A speculative step's tokens where some of its rows read their whole logits (`PreparedStep.rows`): each
+        such row's chosen under its processors, position after position (`greedy_run`), with its logprobs; the
+        others' as the checking pass would choose them. A row whose processors fail fails its request alone."""
+        best = self.decoder.argmax(logits)
+        runs, start = [], 0
+        for e, (i, guess) in enumerate(zip(p.sampled_entries, proposals)):
+            rows = slice(start, start + len(guess) + 1)
+            start = rows.stop
+            row, k = p.rows[e], p.params[e].logprobs
+            try:
+                run, logprobs = greedy_run(logits[rows], best[rows], guess, row, k)
+            except Exception as exc:
+                run, self.row_errors[i] = [0], f"sampling failed: {type(exc).__name__}: {exc}"
+                logprobs = []
+            runs.append(run)
+            if logprobs:
+                self.row_logprobs[i] = logprobs
+        return runs
 
     def logits(self, p: PreparedStep, started: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, Callable | None]:
         """The step's logits at its sampled rows, by the path that serves it (padded static step, the CPU's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -40,6 +41,30 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             tokens[i] = 0
             errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
     return tokens, errors, logprobs
+
+
+def greedy_run(logits: torch.Tensor, best: list[int], guess: list[int], row: Row | None, k: int | None,
+               ) -> tuple[list[int], list[Logprobs]]:
+    """A greedy sample's tokens from a checking pass (`logits` [len(guess) + 1, vocab]: its token's row, then one a
+    guess; `best` their argmax): at each row the token a decode step would choose there, its processors (`row`)
+    run over the output followed by the tokens chosen before it, up to and including the first that differs from
+    the guess or ends the request on a stop token. Each processor so sees what it sees in decode steps one after
+    another. Also each token's logprobs where `k` asks for them."""
+    run: list[int] = []
+    logprobs: list[Logprobs] = []
+    for j in range(len(guess) + 1):
+        raw = logits[j].float()
+        tok = best[j]
+        if row is not None:
+            shaped = shape(raw, replace(row, output_ids=row.output_ids + tuple(run)))
+            if shaped is not raw:
+                tok = int(shaped.argmax())
+        run.append(tok)
+        if k is not None:
+            logprobs.append(token_logprobs(raw, tok, k))
+        if j == len(guess) or tok != guess[j] or (row is not None and tok in row.stop_ids):
+            break
+    return run, logprobs
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> Logprobs:

@@ -85,8 +85,8 @@ class Sequence:
         # with `params.logprobs`: each output token's (log-probability, likeliest alternatives), in order
         self.logprobs: list | None = None if self.params.logprobs is None else []
         self.processors: tuple = ()  # the logits processors its rows run (`processors.chain`): `set_processors`
-        # whether its rows need the step's whole logits (logprobs, or processors: `set_processors`), and so take no
-        # shortcut that skips them (the LM head's int8 screen, speculation, prompt lookup, steps run ahead)
+        # whether its rows need the step's whole logits (logprobs, or processors: `set_processors`), and so skip the
+        # LM head's int8 screen and steps run ahead (speculative proposals are checked under them: `greedy_run`)
         self.needs_logits = self.logprobs is not None
         self.state: dict = {}  # theirs, from step to step (`processors.Row.state`)
         self.prompt_ids = prompt_ids
@@ -140,5 +140,5 @@ def greedy_decodes(entries: list[tuple[Sequence, int]]) -> bool:
     """Whether every entry of a step decodes one greedy sample: the steps speculation may take (the draft's
     `Engine._speculation`, prompt lookup's `lookup.guesses`)."""
     decoding = RequestStatus.DECODING
-    return all(n == 1 and seq.status is decoding and seq.params.greedy and not seq.needs_logits and seq.remaining == 1
+    return all(n == 1 and seq.status is decoding and seq.params.greedy and seq.remaining == 1
                for seq, n in entries)

@@ -30,6 +30,8 @@ bfloat16, half their bytes, rows and sums in fp32 (the draft stays int8).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -77,6 +79,10 @@ ONE_PLUS_NORMS = {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"}
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """A layer's weights, all of one of these types: bf16 and fp16 ones are packed as they are
 (`cpu_linear.PanelLinear`), and the layer computes in fp32 (`FusedLayers`)."""
+Verify = Callable[[torch.Tensor, list[list[int]]], list[list[int]]]
+"""Chooses a checking pass's tokens from its logits ([rows, vocab]: each row's token, then one a proposal) and the
+proposals (`FusedDecoder.speculate`, `check`)."""
+
 ACTIVATIONS = {"SiLUActivation": "silu", "GELUTanh": "gelu_tanh"}
 """The MLP activations (by class) the fused path computes (`cpu_linear.ACTIVATIONS`)."""
 
@@ -416,7 +422,8 @@ class FusedDecoder:
         return self.native.step(x, cos, sin, step.keys, step.values, step.block_tables, step.group_of_layer,
                                 step.context_tensor, step.query_lens, step.num_decodes, keep, step.block_size, greedy)
 
-    def speculate(self, input_ids: torch.Tensor, positions: torch.Tensor, step, k: int, started) -> list[list[int]]:
+    def speculate(self, input_ids: torch.Tensor, positions: torch.Tensor, step, k: int, started,
+                  verify: Verify | None = None) -> list[list[int]]:
         """The greedy tokens of a decode-only step, one to k + 1 per row (speculative decoding).
 
         The int8 `draft` proposes k tokens after each row's, one pass at a time (writing its own keys and
@@ -425,7 +432,8 @@ class FusedDecoder:
         slots. A row's tokens are the model's own up to and including the first that differs from the proposal
         (those after it followed from a wrong token). Each of those passes' rows computes as it would alone
         (every kernel here sums a row's outputs in the same order whatever the number of rows), so the tokens
-        are the same as k + 1 decode steps one after another would give."""
+        are the same as k + 1 decode steps one after another would give. With `verify`, the checking pass's logits
+        go to it with the proposals and it chooses the tokens (rows whose logits processors run: the executor's)."""
         inner = self.model.model
         rows, width = input_ids.shape[1], k + 1
         span = (positions[:, None] + torch.arange(width)).reshape(1, -1)  # [1, rows * width]
@@ -441,17 +449,18 @@ class FusedDecoder:
         best = self.native.forward(
             self._embed(ids.reshape(-1)), cos.reshape(sets, rows * width, -1), sin.reshape(sets, rows * width, -1), step.keys,
             step.values, [t.repeat_interleave(width, 0) for t in tables], step.group_of_layer,
-            (ctx[:, None] + torch.arange(width)).reshape(-1), step.block_size, True,
-        ).tolist()
-        return _accepted(best, [row[1:] for row in ids.tolist()])
+            (ctx[:, None] + torch.arange(width)).reshape(-1), step.block_size, verify is None,
+        )
+        proposals = [row[1:] for row in ids.tolist()]
+        return _accepted(best.tolist(), proposals) if verify is None else verify(best, proposals)
 
     def check(self, input_ids: torch.Tensor, positions: torch.Tensor, step, proposals: list[list[int]],
-              started) -> list[list[int]]:
+              started, verify: Verify | None = None) -> list[list[int]]:
         """The greedy tokens of a decode-only step whose rows come with guesses at their next tokens (`proposals`,
         a list a row, any of them empty: `core/lookup`), one to len + 1 a row. As `speculate`'s checking pass:
         each row's token and its guesses run as rows of consecutive positions over the row's block table (its
         cache reserved for them), and a row keeps the model's tokens up to and including the first that differs
-        from its guess: the tokens decode steps one after another would give."""
+        from its guess: the tokens decode steps one after another would give. `verify`: as `speculate`'s."""
         widths = torch.tensor([1 + len(p) for p in proposals])
         offsets = torch.arange(int(widths.sum())) - (widths.cumsum(0) - widths).repeat_interleave(widths)
         ids = torch.tensor([t for token, guess in zip(input_ids[0].tolist(), proposals) for t in (token, *guess)])
@@ -462,8 +471,8 @@ class FusedDecoder:
         contexts = step.context_tensor.repeat_interleave(widths) + offsets
         started()
         best = self.native.forward(x, cos, sin, step.keys, step.values, tables, step.group_of_layer, contexts,
-                                   step.block_size, True).tolist()
-        return _accepted(best, proposals)
+                                   step.block_size, verify is None)
+        return _accepted(best.tolist(), proposals) if verify is None else verify(best, proposals)
 
 
 def _accepted(best: list[int], proposals: list[list[int]]) -> list[list[int]]:

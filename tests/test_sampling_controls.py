@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support import complete_all, random_requests
+from test_speculative import Steps
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
@@ -131,16 +132,47 @@ async def test_streamed_tokens_carry_their_logprobs_with_n_samples(llama):
         assert s.logprobs[0][0] == pytest.approx(float(lp[4, s.token_ids[0]]), abs=1e-4)
 
 
-async def test_rows_that_read_their_logits_take_no_shortcut_and_others_keep_theirs(llama):
-    """Speculation and prompt lookup go on for the plain greedy rows of an engine; a row with logprobs or a penalty
-    beside them is never drafted for (its tokens and logprobs are those of a plain step)."""
-    work = random_requests(4, llama.config.vocab_size, max_prompt=20, max_new=16, seed=5)
-    reqs = [Request(p, SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=1 if i % 2 else None,
-                                      repetition_penalty=1.2 if i == 3 else 1.0)) for i, (p, n) in enumerate(work)]
-    done = await run(llama, reqs, speculative_tokens=4)
-    for i, ((prompt, n), c) in enumerate(zip(work, done)):
-        assert c.token_ids == generate(llama, prompt, n, **({"repetition_penalty": 1.2} if i == 3 else {}))
-        assert (c.samples[0].logprobs is not None) == bool(i % 2)
+class Calls:
+    """A processor that notes the length of the output each call saw."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    @hookimpl
+    def jitney_register_logits_processors(self, register):
+        def note(logits, row):
+            self.seen.append(len(row.output_ids))
+            return logits
+
+        register("note", lambda engine: note)
+
+
+@pytest.mark.parametrize("shortcut", [dict(speculative_tokens=4, lookup_tokens=0),
+                                      dict(speculative_tokens=0, lookup_tokens=4)], ids=["draft", "lookup"])
+async def test_rows_that_read_their_logits_are_checked_under_their_processors(llama, shortcut):
+    """The draft's and prompt lookup's proposals go to rows with logprobs, penalties, a bias or a processor of their
+    own too, checked position by position under their processors: tokens, logprobs and every processor call are
+    those of decode steps one after another (and `generate`'s where it has the control)."""
+    work = [([7, 8, 9, 10, 11] * 4, 24), ([40, 41, 42] * 5, 20),
+            *((p, 20) for p, _ in random_requests(3, llama.config.vocab_size, seed=5))]
+    controls = [dict(logprobs=2), dict(repetition_penalty=1.2), dict(logit_bias={7: -5.0}, frequency_penalty=0.3),
+                dict(processors=("note",), min_tokens=3), {}]
+    reqs = [Request(p, SamplingParams(max_new_tokens=n, **c)) for (p, n), c in zip(work, controls)]
+
+    async def complete(**config):
+        steps, calls = Steps(), Calls()
+        config = EngineConfig(num_blocks=200, block_size=4, **config)
+        async with Engine(llama, config=config, plugins=[calls, steps]) as engine:
+            return await complete_all(engine, reqs), steps, calls.seen
+
+    plain, _, seen = await complete(speculative_tokens=0, lookup_tokens=0)
+    done, steps, seen_speculating = await complete(**shortcut)
+    assert any(s.draft_tokens and s.accepted_tokens for s in steps.steps)
+    assert seen_speculating == seen == list(range(len(done[3].token_ids)))
+    for c, want in zip(done, plain):
+        assert c.token_ids == want.token_ids and c.samples[0].logprobs == want.samples[0].logprobs
+    assert done[1].token_ids == generate(llama, *work[1], repetition_penalty=1.2)
+    assert done[0].samples[0].logprobs is not None and len(done[0].samples[0].logprobs) == len(done[0].token_ids)
 
 
 @pytest.mark.parametrize("bad, field", [

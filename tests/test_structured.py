@@ -9,8 +9,10 @@ import re
 
 import anyio
 import jsonschema
+import msgspec
 import pytest
 from support import complete_all
+from test_speculative import Steps
 
 from jitney import Engine, EngineConfig, Grammar, Request, SamplingParams
 from jitney.core.chat import tool_grammar
@@ -70,6 +72,28 @@ async def test_every_output_of_drawn_json_schemas_validates(smollm2):
     for schema, done in zip(schemas, await run(smollm2, requests)):
         assert done.finish_reason == "stop", (schema, done.text)
         jsonschema.validate(json.loads(done.text), schema)
+
+
+async def test_greedy_grammar_rows_take_prompt_lookups_guesses_checked_under_the_mask(smollm2):
+    """Prompt lookup's guesses for greedy rows held to a grammar are checked under its mask: the tokens are those
+    of decode steps one after another, and guesses are accepted (the draft stays out: it proposes unmasked)."""
+    model, tokenizer = smollm2
+    rng = random.Random(3)
+    schemas = [draw_schema(rng) for _ in range(3)]
+    ids = chat_ids(tokenizer, "Describe a small object as JSON: " + json.dumps(schemas[0]))
+    requests = [Request(ids, SamplingParams(max_new_tokens=120, grammar=Grammar.json(s))) for s in schemas]
+
+    async def complete(**config):
+        steps = Steps()
+        async with Engine(model, tokenizer, msgspec.structs.replace(CONFIG, **config), plugins=[steps]) as engine:
+            return await complete_all(engine, requests), steps
+
+    plain, _ = await complete(speculative_tokens=0, lookup_tokens=0)
+    done, steps = await complete(speculative_tokens=4, lookup_tokens=4)
+    assert [c.token_ids for c in done] == [c.token_ids for c in plain]
+    assert sum(s.accepted_tokens for s in steps.steps) > 0
+    for schema, c in zip(schemas, done):
+        jsonschema.validate(json.loads(c.text), schema)
 
 
 async def test_regex_choice_and_any_object_beside_plain_requests(smollm2):
