@@ -21,7 +21,8 @@ from jitney.bench.isolation import Peer, PeerFailed, PeerStats, run_peer
 from jitney.bench.peers import PEERS
 from jitney.bench.profile import StepRecorder
 from jitney.bench.stats import StepStats, percentile_ms
-from jitney.bench.workloads import ARRIVING, MODEL_SHAPES, WORKLOADS, Workload, long_prompt, shaped_model
+from jitney.bench.workloads import (ARRIVING, MODEL_SHAPES, TAKES_TOKENIZER, WORKLOADS, Workload, json_schemas,
+                                    long_prompt, shaped_model)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "jitney-unfused (transformers' layers over the packed linears, no one-call decoder), jitney-int8 / jitney-w8a8 / jitney-bf16 (int8 weights / and activations / bf16 weights), "
                              "jitney-bf16c (bf16 compute: EngineConfig.compute), "
                              "jitney-kvbf16 / jitney-kvint8 (a bf16 / int8 KV cache), "
+                             "jitney-json (each reply held to a JSON schema: json-16's own, any JSON object elsewhere), "
                              "jitney-noscreen (every logit of greedy rows computed), "
                              "hf-cb (transformers continuous batching), hf-static (transformers generate), llama-cpp / llama-cpp-q4 (llama.cpp on the same weights in F32 "
                              "/ the embedded Q4_1; `make bench-peers`; each in a child process: a crash fails its row only)")
@@ -203,10 +205,11 @@ def attainable_seconds(model, shapes: list[list[float]], gflops: float, gbps: fl
 
 
 def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sharing: bool = True,
-               attention: str | None = None, **config_fields):
+               attention: str | None = None, structured: bool = False, **config_fields):
     """Run the workload through jitney (each request submitted at its `args.arrivals` second, when given);
-    `config_fields` override `EngineConfig` fields."""
-    from jitney import Engine, EngineConfig, Request, SamplingParams
+    `config_fields` override `EngineConfig` fields. `structured`: each reply held to a JSON schema (json-16's own,
+    any JSON object on other workloads), ending where the JSON does, not at its token count."""
+    from jitney import Engine, EngineConfig, Grammar, Request, SamplingParams
 
     need = sum(-(-(len(p) + n) // args.block_size) for p, n in work)
     num_blocks = args.num_blocks or (int(need * args.cache_share) if args.cache_share else need)
@@ -240,23 +243,29 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
     stats.eviction = eviction
     arrivals = getattr(args, "arrivals", None)
     out: list[list[int]] = [[] for _ in work]
+    schemas = json_schemas(len(work)) if getattr(args, "workload", None) == "json-16" else [None] * len(work)
+    grammars = {Grammar.json(schema) for schema in schemas} if structured else set()
+    params = [SamplingParams(max_new_tokens=n, grammar=Grammar.json(schema)) if structured
+              else SamplingParams(max_new_tokens=n, ignore_eos=True) for (_, n), schema in zip(work, schemas)]
 
     serving = 0.0
 
     async def main() -> None:
         nonlocal serving
         async with engine:
+            for grammar in grammars:  # (the tokenizer's index, ~0.3 s once, and each schema: start-up, as a server does)
+                engine.grammars.grammar(grammar)
             t0 = time.perf_counter()  # after start-up (weight packing), like the other modes
 
             async def one(i: int) -> None:
-                prompt, n = work[i]
+                prompt = work[i][0]
                 if arrivals:
                     await anyio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
                 last = time.perf_counter()
                 extra = {}
                 if getattr(args, "replay", None):
                     extra = {"priority": args.replay[i].priority, "metadata": args.replay[i].metadata}
-                async for tok in engine.stream(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), **extra)):
+                async for tok in engine.stream(Request(prompt, params[i], **extra)):
                     now = time.perf_counter()
                     if out[i]:
                         stats.gaps.append(now - last)
@@ -265,10 +274,12 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
 
             decoder = engine.executor.decoder  # (the one-call decoder times its attention)
             attention = decoder.native.attention_seconds if decoder is not None else None
+            sampling = engine.executor.sampling_s
             async with anyio.create_task_group() as tg:
                 for i in range(len(work)):
                     tg.start_soon(one, i)
             serving = time.perf_counter() - t0
+            stats.sampling_s = engine.executor.sampling_s - sampling
             if decoder is not None:
                 stats.attention_s = decoder.native.attention_seconds - attention
             decoder = None  # (held past the exit, it would keep the packed copies while the weights are put back)
@@ -331,7 +342,7 @@ JITNEY_MODES: dict[str, dict] = {
     "jitney-unfused": {"fuse_cpu_layers": False}, "jitney-noscreen": {"lm_head_screen": False},
     "jitney-int8": {"weights": "int8"}, "jitney-w8a8": {"weights": "w8a8"}, "jitney-bf16": {"weights": "bf16"},
     "jitney-bf16c": {"compute": "bf16"}, "jitney-kvbf16": {"kv_cache_dtype": "bf16"},
-    "jitney-kvint8": {"kv_cache_dtype": "int8"},
+    "jitney-kvint8": {"kv_cache_dtype": "int8"}, "jitney-json": {"structured": True},
 }
 """Each jitney mode and the `run_jitney` arguments it runs with (every one of them once per `--eviction` policy)."""
 
@@ -371,6 +382,18 @@ def runs(args, peers: Mapping[str, Peer] = PEERS) -> list[tuple[str, Callable]]:
         else:
             raise ValueError(f"unknown mode {mode!r}")
     return out
+
+
+def parsed_share(tokenizer, outputs: list[list[int]]) -> float:
+    """Share of `outputs` whose text parses as JSON."""
+    ok = 0
+    for ids in outputs:
+        try:
+            json.loads(tokenizer.decode(ids, skip_special_tokens=True))
+            ok += 1
+        except ValueError:
+            pass
+    return round(ok / max(1, len(outputs)), 3)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -431,12 +454,14 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
         if any(not m.startswith("jitney") for m in args.modes.split(",")):
             raise ValueError(f"{args.workload} has arrival times: jitney's modes only (transformers' take none)")
         work, args.arrivals = ARRIVING[args.workload](vocab)
-    elif args.workload in ("single-chat", "chat-4"):
+    elif args.workload in TAKES_TOKENIZER:
         if tokenizer is None:
             raise ValueError(f"the {args.workload} workload needs a tokenizer (its prompts are text): {args.model} has none")
         work = WORKLOADS[args.workload](tokenizer)
     else:
         work = WORKLOADS[args.workload](vocab)
+    if "jitney-json" in args.modes.split(",") and tokenizer is None:
+        raise ValueError(f"jitney-json holds replies to a JSON grammar, which needs a tokenizer: {args.model} has none")
     out_tokens = sum(n for _, n in work)
     print(f"workload {args.workload}: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt and "
           f"{out_tokens} output tokens; torch threads {torch.get_num_threads()}; model in {dtype}")
@@ -466,8 +491,10 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
             print(f"  {label}: failed, {failed.reason}", flush=True)
             continue
         startup = time.perf_counter() - t - wall
+        # (jitney's own tokens: a reply held to a grammar ends with its JSON; the others run to their counts)
+        tokens = sum(map(len, outputs[label])) if isinstance(stats, StepStats) else out_tokens
         row = {
-            "mode": label, "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1),
+            "mode": label, "wall_s": round(wall, 2), "output_tok_s": round(tokens / wall, 1),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
             "startup_s": round(startup, 2),
         }
@@ -487,11 +514,17 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
                     "draft_accepted_share": round(stats.accepted / max(1, stats.drafted), 3)}
             if stats.attention_s is not None:  # (draft passes included)
                 row["attention_share"] = round(stats.attention_s / wall, 3)
+            # (choosing tokens from whole logits: processors, a grammar's mask, draws, logprobs)
+            row["sampling_ms_per_step"] = round(1000 * stats.sampling_s / max(1, stats.steps), 2)
             row |= {"eviction": stats.eviction, "blocks_evicted": stats.evicted,
                     "step_shapes": stats.recorder.shapes, "weights": stats.weights,  # (set by `run_jitney`)
                     "kv_itemsize": stats.kv_itemsize, "compute": stats.compute}
             if getattr(stats, "memory", None) is not None:  # (what the engine held, by part: `Engine.memory`)
                 row["memory_mib"] = {k: round(getattr(stats.memory, k) / 2**20, 1) for k in stats.memory.__struct_fields__}
+        if label.startswith("jitney-json"):
+            row["output_tokens"], row["json_share"] = tokens, parsed_share(tokenizer, outputs[label])
+            had = [(p, len(o)) for (p, _), o in zip(work, outputs[label])]
+            row["gflop"], row["linear_gflop"] = workload_gflop(model, had), linear_gflop(model, had)
         rows.append(row)
         print(f"  {label}: {wall:.1f} s (+{startup:.1f} s start-up)", flush=True)
         if getattr(stats, "memory", None) is not None:
@@ -511,7 +544,9 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
     for row in measured:
         # (a mode computing in bf16: its linears against the bf16 peak, the rest against fp32's)
         in_bf16 = row.get("compute") == "bf16" and bf16_peak is not None
-        roofline = gflop / peak + (linear / bf16_peak - linear / peak if in_bf16 else 0.0)
+        # (a reply held to a grammar ends early: its roofline counts the tokens it had)
+        mine = row.get("linear_gflop", linear)
+        roofline = row.get("gflop", gflop) / peak + (mine / bf16_peak - mine / peak if in_bf16 else 0.0)
         row["roofline_share"] = round(roofline / row["wall_s"], 3)
         if row.get("step_shapes"):
             bound = attainable_seconds(model, row.pop("step_shapes"), peak, read, row.pop("weights"), row.pop("kv_itemsize"),
@@ -556,6 +591,14 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
         shares = ", ".join(f"{row['mode']} {row['weight_read_share']:.0%}" for row in measured)
         print("one stream, share of the fp32 weight-read limit (one token a pass over the fp32 weights; speculative "
               f"steps take several, int8 and 4-bit weights read less): {shares}")
+    plain = next((row for row in measured if row["mode"] == "jitney"), None)
+    for row in measured:
+        if "json_share" in row:
+            against = (f"; jitney (free text) {plain['output_tok_s']} tok/s, ITL p50 {plain['itl_p50_ms']} ms"
+                       if plain is not None else "")
+            print(f"{row['mode']}: {row['json_share']:.0%} of the replies parse as JSON; {row['output_tokens']} tokens at "
+                  f"{row['output_tok_s']} tok/s, ITL p50 {row['itl_p50_ms']} ms, choosing tokens (the grammar's mask, "
+                  f"processors) {row['sampling_ms_per_step']} ms a step of {row['steps']}{against}")
     for row in rows:
         if row.get("draft_tokens"):
             print(f"{row['mode']}: {row['speculative_steps']} speculative steps of {row['steps']}, "

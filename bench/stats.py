@@ -28,6 +28,7 @@ class StepStats:
         self.eviction: str | None = None  # the policy, set by the run
         self.ttft: list[float] = []  # queueing to first token, per request
         self.attention_s: float | None = None  # seconds in attention, where the one-call decoder says
+        self.sampling_s = 0.0  # seconds choosing tokens from whole logits (`StepExecutor.sampling_s`)
         self.memory = None  # what the engine held, by part (`Engine.memory()`), set by the run
         # KV slots held vs used, summed over steps (`slots`): a pass over every active request's blocks each step
         self.slots = slots

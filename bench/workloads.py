@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 Workload = list[tuple[list[int], int]]
@@ -100,9 +101,55 @@ def chat_4(tokenizer) -> Workload:
     return chat(tokenizer, 4)
 
 
-# (single-chat and chat-4 take the tokenizer, the others the vocabulary size)
+JSON_TASKS = (
+    ("Describe a product for an online shop.", {
+        "type": "object", "additionalProperties": False, "required": ["name", "price", "tags", "in_stock"],
+        "properties": {"name": {"type": "string", "maxLength": 40}, "price": {"type": "number", "minimum": 0},
+                       "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4},
+                       "in_stock": {"type": "boolean"}}}),
+    ("Describe a person in a novel.", {
+        "type": "object", "additionalProperties": False, "required": ["name", "age", "city", "hobbies"],
+        "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                       "city": {"type": "string", "maxLength": 30},
+                       "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3}}}),
+    ("Give tomorrow's weather report for a city.", {
+        "type": "object", "additionalProperties": False, "required": ["city", "summary", "high_c", "low_c", "wind"],
+        "properties": {"city": {"type": "string", "maxLength": 30}, "summary": {"enum": ["sunny", "cloudy", "rain", "snow"]},
+                       "high_c": {"type": "integer"}, "low_c": {"type": "integer"},
+                       "wind": {"type": "object", "additionalProperties": False, "required": ["speed_kmh", "direction"],
+                                "properties": {"speed_kmh": {"type": "integer", "minimum": 0},
+                                               "direction": {"enum": ["N", "E", "S", "W"]}}}}}),
+    ("List the steps of a simple recipe.", {
+        "type": "object", "additionalProperties": False, "required": ["title", "steps"],
+        "properties": {"title": {"type": "string", "maxLength": 40},
+                       "steps": {"type": "array", "items": {"type": "string", "maxLength": 60}, "minItems": 2,
+                                 "maxItems": 5}}}),
+)
+"""json-16's tasks and the JSON schema each one's reply is held to."""
+
+
+def json_schemas(count: int) -> list[dict]:
+    """The schema of each of json-16's first `count` requests (`JSON_TASKS` in turn)."""
+    return [JSON_TASKS[i % len(JSON_TASKS)][1] for i in range(count)]
+
+
+def json_16(tokenizer) -> Workload:
+    """16 chat requests asking for a JSON reply to a schema given in the prompt (`JSON_TASKS` in turn), up to 256
+    new tokens: the structured-output workload (`jitney bench --modes jitney,jitney-json`: the same prompts free
+    and held to their schemas)."""
+    work = []
+    for i, schema in enumerate(json_schemas(16)):
+        task = JSON_TASKS[i % len(JSON_TASKS)][0]
+        text = f"{task} Reply with one JSON object only, following this schema: {json.dumps(schema)} (#{i + 1})"
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        work.append((list(ids["input_ids"] if hasattr(ids, "keys") else ids), 256))
+    return work
+
+
+# (single-chat, chat-4 and json-16 take the tokenizer, the others the vocabulary size)
+TAKES_TOKENIZER = ("single-chat", "chat-4", "json-16")
 WORKLOADS = {
-    "single-stream": single_stream, "single-chat": single_chat, "chat-4": chat_4,
+    "single-stream": single_stream, "single-chat": single_chat, "chat-4": chat_4, "json-16": json_16,
     "mixed-64": mixed_64, "mixed-16": mixed_16, "long-context": long_context, "long-prompt": long_prompt,
     "shared-prefix": shared_prefix, "multi-prefix": multi_prefix, "sharegpt-like": sharegpt_like,
 }

@@ -71,6 +71,7 @@ class StepExecutor:
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.compute_stream = torch.cuda.Stream(self.device) if cuda else None
         self.forward_s = 0.0  # time of the latest forward + sampling
+        self.sampling_s = 0.0  # time in choosing tokens from whole logits (processors, draws, logprobs), all steps
         self.row_errors: dict[int, str] = {}  # the latest forward's entries whose sampling failed, and why
         self.row_logprobs: dict[int, list[Logprobs]] = {}  # its entries' logprobs (one per sample), where asked for
 
@@ -229,7 +230,9 @@ class StepExecutor:
                 return
             if len(p.params) > len(p.sampled_entries):  # forking rows draw several tokens from one row
                 logits = logits.repeat_interleave(torch.tensor(p.samples_per_entry, device=logits.device), dim=0)
+            t0 = time.perf_counter()
             tokens, errors, logprobs = sample(logits, p.params, p.generators, argmax, p.rows)
+            self.sampling_s += time.perf_counter() - t0
         start = 0
         for i, count in zip(p.sampled_entries, p.samples_per_entry):
             result[i] = tokens[start : start + count]
@@ -245,6 +248,7 @@ class StepExecutor:
         """A speculative step's tokens where some of its rows read their whole logits (`PreparedStep.rows`): each
         such row's chosen under its processors, position after position (`greedy_run`), with its logprobs; the
         others' as the checking pass would choose them. A row whose processors fail fails its request alone."""
+        t0 = time.perf_counter()
         best = self.decoder.argmax(logits)
         runs, start = [], 0
         for e, (i, guess) in enumerate(zip(p.sampled_entries, proposals)):
@@ -259,6 +263,7 @@ class StepExecutor:
             runs.append(run)
             if logprobs:
                 self.row_logprobs[i] = logprobs
+        self.sampling_s += time.perf_counter() - t0
         return runs
 
     def logits(self, p: PreparedStep, started: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, Callable | None]:

@@ -14,7 +14,7 @@ from jitney.bench.isolation import Peer
 from jitney.bench.peers import PEERS
 from jitney.bench.run import add_arguments
 from jitney.bench.run import main as bench
-from jitney.bench.workloads import CHAT_QUESTION, CHAT_QUESTIONS, chat_4, single_chat
+from jitney.bench.workloads import CHAT_QUESTION, CHAT_QUESTIONS, chat_4, json_16, json_schemas, single_chat
 from jitney.cli import main as cli
 
 
@@ -191,3 +191,31 @@ def test_every_jitney_mode_runs_once_per_eviction_policy_and_a_misspelled_one_is
     args = parser.parse_args(["--modes", "jitney-nolookup", "--eviction", "gdsff,lru"])
     with pytest.raises(ValueError, match="unknown eviction policy 'gdsff'; registered: 2q, fifo, lfu, lru, mru"):
         runs(args)
+
+
+def test_json_16_asks_for_replies_to_schemas_in_its_prompts(smollm2):
+    _, tokenizer = smollm2
+    work = json_16(tokenizer)
+    assert len(work) == 16 and all(n == 256 for _, n in work)
+    for (prompt, _), schema in zip(work, json_schemas(16), strict=True):
+        assert json.dumps(schema) in tokenizer.decode(prompt)
+    assert len({tuple(p) for p, _ in work}) == 16  # (each prompt its own)
+
+
+def test_the_json_mode_holds_each_reply_to_its_schema_and_times_choosing_tokens(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert cli(["bench", "--workload", "json-16", "--modes", "jitney-json", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert row["mode"] == "jitney-json" and row["json_share"] == 1.0
+    assert 16 <= row["output_tokens"] < 16 * 256  # (each reply ends with its JSON)
+    assert row["output_tok_s"] == pytest.approx(row["output_tokens"] / row["wall_s"], rel=0.01)
+    assert row["sampling_ms_per_step"] > 0 and row["gflop"] < report["workload_gflop"]  # (its roofline: the tokens it had)
+    assert "100% of the replies parse as JSON" in capsys.readouterr().out
+
+
+def test_the_json_mode_needs_a_tokenizer(tmp_path, capsys):
+    tiny_llama().save_pretrained(tmp_path / "tiny")
+    assert cli(["bench", "--model", str(tmp_path / "tiny"), "--workload", "long-prompt", "--modes", "jitney,jitney-json"]) != 0
+    err = capsys.readouterr().err
+    assert "error: jitney-json holds replies to a JSON grammar, which needs a tokenizer" in err
