@@ -13,11 +13,13 @@ import time
 
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from types import SimpleNamespace
 
 import anyio
 import torch
 
-from jitney.bench.isolation import Peer, PeerFailed, PeerStats, run_peer
+from jitney.bench.isolation import Peer, PeerFailed, PeerStats, run_in_child, run_peer
 from jitney.bench.peers import PEERS
 from jitney.bench.profile import StepRecorder
 from jitney.bench.stats import StepStats, percentile_ms
@@ -67,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute", default=None, choices=["fp32", "bf16"],
                         help="every jitney mode's EngineConfig.compute (default: the engine's, bf16 for a bf16 model on "
                              "AMX or AVX512-BF16; e.g. fp32 to time a bf16 model's fp32 path); jitney-bf16c is jitney with bf16")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the jitney modes in this process, one after another (faster; but each run then "
+                             "inherits the allocator's state, warm caches and the peak RSS of those before it); by "
+                             "default each runs in a fresh child process that loads the model itself")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--chunk-context-cost", type=float, default=None,
                         help="jitney's EngineConfig.chunk_context_cost (default: the model's; 0: a chunk counts its tokens only)")
@@ -240,7 +246,7 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
     # (bytes an element: an int8 row's scale counted in)
     stats.weights, stats.kv_itemsize = config.weights, k0.element_size() * k0.shape[-1] / head_dim
     stats.compute = engine.config.compute  # (resolved: a bf16 model's default may be bf16)
-    stats.eviction = eviction
+    stats.eviction, stats.scheduler = eviction, config.scheduler
     arrivals = getattr(args, "arrivals", None)
     out: list[list[int]] = [[] for _ in work]
     schemas = json_schemas(len(work)) if getattr(args, "workload", None) == "json-16" else [None] * len(work)
@@ -291,6 +297,47 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
         path = args.timeline if getattr(args, "single_jitney_run", True) else args.timeline.replace(".png", f"-{label}.png")
         schedule.draw(path, f"jitney: {getattr(args, 'workload', '')}, {len(work)} requests")
     return out, stats, serving
+
+
+def run_jitney_apart(model, tokenizer, work: Workload, args, **kw):
+    """`run_jitney` in a fresh child process that loads the model itself (`load_bench_model`): each run starts from
+    nothing (no allocator state, warm caches or peak RSS carried over from the run before), and its stats carry its
+    own start-up and peak RSS. A child that crashes raises `PeerFailed`, which fails its row alone."""
+    (out, stats, wall), stats_rss = run_in_child(_jitney_child, args, work, kw)
+    stats.peak_rss_mib = stats_rss
+    return out, stats, wall
+
+
+def _jitney_child(args, work: Workload, kw: dict):
+    model, tokenizer = load_bench_model(args)
+    t = time.perf_counter()
+    out, stats, wall = run_jitney(model, tokenizer, work, args, **kw)
+    stats.startup_s = time.perf_counter() - t - wall
+    stats.recorder = SimpleNamespace(shapes=stats.recorder.shapes)  # (the step shapes alone travel back)
+    return out, stats, wall
+
+
+def load_bench_model(args, meta: bool = False):
+    """The model `args.model` names and its tokenizer (None for a shape, whose random weights are seeded), in
+    `args.dtype`, loaded straight in it; `meta`: its shapes alone, no weights (a process whose jitney runs each load
+    their own reads only shapes: the roofline, the bytes a token reads)."""
+    from jitney.core.models import checkpoint_path, load_model, load_tokenizer
+
+    torch.manual_seed(0)
+    dtype = getattr(torch, getattr(args, "dtype", "float32"))
+    if args.model in MODEL_SHAPES:
+        with torch.device("meta") if meta else nullcontext():
+            return shaped_model(args.model, dtype), None
+    if meta:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(checkpoint_path(args.model))
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype).eval(), load_tokenizer(args.model)
+    model, tokenizer = load_model(args.model, dtype=dtype)  # (straight in it: no fp32 copy)
+    if next(model.parameters()).dtype != dtype:
+        model = model.to(dtype)
+    return model, tokenizer
 
 
 def run_hf_cb(model, tokenizer, work: Workload, args):
@@ -371,8 +418,9 @@ def runs(args, peers: Mapping[str, Peer] = PEERS) -> list[tuple[str, Callable]]:
         if mode in JITNEY_MODES:
             for policy in policies:
                 label = mode if policies == ["mru"] else f"{mode}[{policy}]"
-                out.append((label, lambda m, t, w, a, p=policy, kw=JITNEY_MODES[mode]:
-                            run_jitney(m, t, w, a, eviction=p, **kw)))
+                run = run_jitney if getattr(args, "in_process", True) else run_jitney_apart
+                out.append((label, lambda m, t, w, a, p=policy, kw=JITNEY_MODES[mode], run=run:
+                            run(m, t, w, a, eviction=p, **kw)))
         elif mode in ("hf-cb", "hf-static"):
             out.append((mode, run_hf_cb if mode == "hf-cb" else run_hf_static))
         elif mode in peers:
@@ -423,16 +471,11 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
     """Run each mode of `args.modes` on the workload, print the table and write the report; `peers`: the peer
     modes by name (`jitney.bench.peers.PEERS`). A peer whose child process fails gives a row of "mode", "failed"
     (the signal's name, or "error") and "reason", and no figures."""
-    from jitney.core.models import load_model
-
-    torch.manual_seed(0)
     dtype = getattr(args, "dtype", "float32")
-    if args.model in MODEL_SHAPES:
-        model, tokenizer = shaped_model(args.model, getattr(torch, dtype)), None
-    else:
-        model, tokenizer = load_model(args.model, dtype=getattr(torch, dtype))  # (straight in it: no fp32 copy)
-    if next(model.parameters()).dtype != getattr(torch, dtype):
-        model = model.to(getattr(torch, dtype))
+    # (where every mode runs in a child of its own that loads the model, this process holds its shapes alone)
+    apart = not getattr(args, "in_process", True) and not args.null_executor and all(
+        m.startswith("jitney") or m in peers for m in args.modes.split(","))
+    model, tokenizer = load_bench_model(args, meta=apart)
     if args.null_executor:
         from jitney.bench.overhead import measure
 
@@ -490,7 +533,9 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
             rows.append({"mode": label, "failed": failed.signal or "error", "reason": failed.reason})
             print(f"  {label}: failed, {failed.reason}", flush=True)
             continue
-        startup = time.perf_counter() - t - wall
+        startup = getattr(stats, "startup_s", None)
+        if startup is None:
+            startup = time.perf_counter() - t - wall
         # (jitney's own tokens: a reply held to a grammar ends with its JSON; the others run to their counts)
         tokens = sum(map(len, outputs[label])) if isinstance(stats, StepStats) else out_tokens
         row = {
@@ -498,8 +543,9 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
             "startup_s": round(startup, 2),
         }
-        if isinstance(stats, PeerStats):
+        if getattr(stats, "peak_rss_mib", None) is not None:  # (a child's own: a peer's, or a jitney run apart)
             row["peak_rss_mib"] = stats.peak_rss_mib
+        if isinstance(stats, PeerStats):
             if stats.note:
                 row["note"] = stats.note
         elif stats is not None:
@@ -516,7 +562,7 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
                 row["attention_share"] = round(stats.attention_s / wall, 3)
             # (choosing tokens from whole logits: processors, a grammar's mask, draws, logprobs)
             row["sampling_ms_per_step"] = round(1000 * stats.sampling_s / max(1, stats.steps), 2)
-            row |= {"eviction": stats.eviction, "blocks_evicted": stats.evicted,
+            row |= {"eviction": stats.eviction, "scheduler": stats.scheduler, "blocks_evicted": stats.evicted,
                     "step_shapes": stats.recorder.shapes, "weights": stats.weights,  # (set by `run_jitney`)
                     "kv_itemsize": stats.kv_itemsize, "compute": stats.compute}
             if getattr(stats, "memory", None) is not None:  # (what the engine held, by part: `Engine.memory`)

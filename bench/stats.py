@@ -26,10 +26,13 @@ class StepStats:
         self.drafted = self.accepted = self.speculative_steps = 0
         self.evicted = 0  # cached blocks given up to make room (`StepCompleted.blocks_demoted`)
         self.eviction: str | None = None  # the policy, set by the run
+        self.scheduler: str | None = None  # and the scheduler
         self.ttft: list[float] = []  # queueing to first token, per request
         self.attention_s: float | None = None  # seconds in attention, where the one-call decoder says
         self.sampling_s = 0.0  # seconds choosing tokens from whole logits (`StepExecutor.sampling_s`)
         self.memory = None  # what the engine held, by part (`Engine.memory()`), set by the run
+        self.startup_s: float | None = None  # set by a run in a child process (`run_jitney_apart`)
+        self.peak_rss_mib: int | None = None  # that child's peak
         # KV slots held vs used, summed over steps (`slots`): a pass over every active request's blocks each step
         self.slots = slots
 

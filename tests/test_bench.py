@@ -100,7 +100,7 @@ def test_bench_runs_jitney_over_a_bf16_or_int8_cache(tmp_path):
     # (scaled: rounding the keys and values changes its tokens)
     scaled_tiny(T.LlamaConfig, T.LlamaForCausalLM, num_key_value_heads=2).save_pretrained(tmp_path / "tiny")
     out = tmp_path / "bench.json"
-    bench = ["bench", "--model", str(tmp_path / "tiny"), "--workload", "mixed-16", "--json", str(out)]
+    bench = ["bench", "--model", str(tmp_path / "tiny"), "--workload", "mixed-16", "--json", str(out), "--in-process"]
     assert cli([*bench, "--modes", "jitney,jitney-kvbf16,jitney-kvint8"]) == 0
     plain, bf16, int8 = json.loads(out.read_text())["rows"]
     for row, mode in ((bf16, "jitney-kvbf16"), (int8, "jitney-kvint8")):
@@ -118,7 +118,7 @@ def test_bench_reads_bf16_computes_shares_against_the_bf16_peak(tmp_path):
     scaled_tiny(T.LlamaConfig, T.LlamaForCausalLM, num_key_value_heads=2).save_pretrained(tmp_path / "tiny")
     out = tmp_path / "bench.json"
     assert cli(["bench", "--model", str(tmp_path / "tiny"), "--workload", "mixed-16", "--json", str(out),
-                "--modes", "jitney,jitney-bf16c"]) == 0
+                "--modes", "jitney,jitney-bf16c", "--in-process"]) == 0
     report = json.loads(out.read_text())
     plain, bf16 = report["rows"]
     assert (plain["compute"], bf16["compute"]) == ("fp32", "bf16") and bf16["same_tokens_as_first"] < 1
@@ -135,7 +135,7 @@ def test_bench_gives_one_stream_its_share_of_the_weight_read_limit(tmp_path):
     tiny_llama().save_pretrained(tmp_path / "tiny")
     out = tmp_path / "bench.json"
     assert cli(["bench", "--model", str(tmp_path / "tiny"), "--workload", "single-stream", "--modes", "jitney,jitney-nospec",
-                "--json", str(out)]) == 0
+                "--json", str(out), "--in-process"]) == 0
     report = json.loads(out.read_text())
     row, plain = report["rows"]
     limit = report["read_gbps"] * 1e9 / report["weight_bytes"]
@@ -219,3 +219,25 @@ def test_the_json_mode_needs_a_tokenizer(tmp_path, capsys):
     assert cli(["bench", "--model", str(tmp_path / "tiny"), "--workload", "long-prompt", "--modes", "jitney,jitney-json"]) != 0
     err = capsys.readouterr().err
     assert "error: jitney-json holds replies to a JSON grammar, which needs a tokenizer" in err
+
+
+def test_each_jitney_run_is_apart_by_default_and_the_bench_then_holds_only_shapes(tmp_path, monkeypatch):
+    from jitney.bench import run
+
+    tiny_llama().save_pretrained(tmp_path / "tiny")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(tmp_path / "tiny"), "--workload", "long-prompt", "--max-batch-tokens", "48",
+                              "--modes", "jitney,jitney", "--json", str(tmp_path / "bench.json")])
+    held = []
+    real = run.load_bench_model
+    monkeypatch.setattr(run, "load_bench_model", lambda a, meta=False: held.append(meta) or real(a, meta))
+    assert bench(args) == 0
+    assert held == [True]  # (this process: shapes alone; each child loads its own weights)
+    first, second = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert second["same_tokens_as_first"] == 1.0 and (first["eviction"], first["scheduler"]) == ("mru", "fifo")
+    for row in (first, second):  # each child's own start-up and peak, not this process's
+        assert 0 < row["startup_s"] < 60 and 0 < row["peak_rss_mib"]
+    model, _ = real(args, meta=True)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert run.weight_bytes(model) == run.weight_bytes(tiny_llama())
