@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="mixed-64", choices=sorted([*WORKLOADS, *ARRIVING]))
     parser.add_argument("--timeline", default=None, metavar="FILE.png",
                         help="draw each jitney run's schedule (the mode appended to the name when several)")
+    parser.add_argument("--timeline-axis", default="step", choices=["step", "time"],
+                        help="the timeline's x-axis: steps, or seconds")
     parser.add_argument("--trace", default=None, help="replay a JSONL trace instead, arrivals honoured (jitney modes only)")
     parser.add_argument("--model", default="smollm2",
                         help=f'a checkpoint directory, "smollm2", or a shape with random weights: {", ".join(MODEL_SHAPES)}')
@@ -295,7 +297,8 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
     if getattr(args, "timeline", None):
         label = f"{eviction}-{'shared' if sharing else 'nocache'}"
         path = args.timeline if getattr(args, "single_jitney_run", True) else args.timeline.replace(".png", f"-{label}.png")
-        schedule.draw(path, f"jitney: {getattr(args, 'workload', '')}, {len(work)} requests")
+        schedule.draw(path, f"jitney: {getattr(args, 'workload', '')}, {len(work)} requests",
+                      axis=getattr(args, "timeline_axis", "step"))
     return out, stats, serving
 
 

@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated routers placing requests on the replicas (one run each)")
     parser.add_argument("--timeline", default=None, metavar="FILE.png",
                         help="draw each run's schedule (one file per (scheduler, eviction) pair when several)")
+    parser.add_argument("--timeline-axis", default="step", choices=["step", "time"],
+                        help="the timeline's x-axis: steps, or (simulated) seconds")
 
 
 @dataclass
@@ -270,7 +272,7 @@ async def _drive(engines: list, clocks: list[VirtualClock], work: list[Arrival],
 
 
 def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timeline_path: str | None = None,
-             replicas: int = 1, router: str | None = None, **config_fields) -> dict:
+             replicas: int = 1, router: str | None = None, timeline_axis: str = "step", **config_fields) -> dict:
     """One simulated run of `work`: a `jitney bench`-style row (and its schedule drawn to `timeline_path`).
     With `replicas` > 1, a fleet of engines (each on its own clock, as replicas run side by side) behind the
     registered router `router`, as `jitney serve --replicas` places requests."""
@@ -316,7 +318,8 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timel
 
     wall = anyio.run(main)
     if timeline_path:
-        schedule.draw(timeline_path, f"simulated: {config.scheduler} / {config.eviction}, {len(work)} requests")
+        schedule.draw(timeline_path, f"simulated: {config.scheduler} / {config.eviction}, {len(work)} requests",
+                      axis=timeline_axis)
     out_tokens = timeline.generated
     tenants = {name: {"requests": len(v), "ttft_p50_ms": percentile_ms(v, 0.5), "ttft_p99_ms": percentile_ms(v, 0.99)}
                for name, v in sorted(timeline.ttft_by_tenant.items())}
@@ -366,7 +369,8 @@ def main(args: argparse.Namespace) -> int:
         picture = args.timeline
         if picture and len(runs) > 1:
             picture = str(Path(picture).with_name(f"{Path(picture).stem}-{scheduler}-{eviction}{Path(picture).suffix}"))
-        row = simulate(model, work, profile, timeline_path=picture, replicas=args.replicas, router=router,
+        row = simulate(model, work, profile, timeline_path=picture, timeline_axis=args.timeline_axis,
+                       replicas=args.replicas, router=router,
                        scheduler=scheduler, eviction=eviction, num_blocks=num_blocks, block_size=args.block_size,
                        max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=max(64, len(work)),
                        speculative_tokens=args.speculative_tokens)

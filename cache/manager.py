@@ -180,6 +180,12 @@ class CacheManager:
             return self.pools[0].num_free
         return min(pool.num_free for pool in self.pools)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Of `num_free_blocks`, those cached (content kept for prefix hits, evictable), in the same pool."""
+        pool = min(self.pools, key=lambda p: p.num_free)
+        return pool.num_cached
+
     def blocks_held(self, request_id: str) -> int:
         """Blocks a request holds (in its largest group: what preempting it frees where it matters most)."""
         tables = self._tables.get(request_id)

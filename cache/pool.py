@@ -80,6 +80,11 @@ class BlockPool:
         """Blocks that can be allocated: free plus cached."""
         return len(self._free) + len(self._cached)
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks with no owner whose content is kept for prefix hits (demoted when the free ones run out)."""
+        return len(self._cached)
+
     def _tick(self) -> int:
         self.clock += 1
         return self.clock

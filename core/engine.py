@@ -506,6 +506,7 @@ class Engine:
             decode_tokens=sum(n for _, n in entries) - prefill, forward_s=forward_s,
             step_s=self.clock() - t0, waiting=len(self.waiting), running=len(self.active),
             free_blocks=self.cache.num_free_blocks, total_blocks=self.cache.num_blocks,
+            cached_blocks=self.cache.num_cached_blocks,
             prefix_query_tokens=queried, prefix_hit_tokens=hit, blocks_demoted=self.cache.blocks_demoted - marks[0],
             preemptions=self.preempter.total - marks[1], offloaded=len(self.preempter.offloaded), ahead=ahead,
             draft_tokens=drafted, accepted_tokens=accepted, batch=tuple((s.request_id, n) for s, n in entries),

@@ -116,6 +116,8 @@ class StepCompleted(Event, frozen=True):
     """Of those, tokens found cached (their prefill was skipped)."""
     blocks_demoted: int = 0
     """Cached blocks whose content was dropped this step to make room."""
+    cached_blocks: int = 0
+    """Of `free_blocks`, those cached: no owner, their content kept for prefix hits until evicted."""
     preemptions: int = 0
     """Requests offloaded or soft reset this step."""
     offloaded: int = 0

@@ -233,6 +233,33 @@ def test_the_schedule_timeline_shows_each_requests_states(tiny_config, tmp_path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_timeline_shows_what_a_cache_study_reads(tiny_config, tmp_path):
+    """Per step: blocks in use and cached, prefix hits and misses, evictions; a time axis; binned columns keep a
+    request's prefill (where its misses are) visible over the decodes around it."""
+    from jitney.plugins.timeline import DECODE, PREFILL, ScheduleTimeline
+
+    schedule = ScheduleTimeline()
+    prefixes = [[10 + k] * 12 for k in range(4)]  # three blocks each; a cache of 12 blocks holds two at most
+    work = [Arrival(prefixes[i % 4] + [50 + i], 4, arrival_s=0.05 * i) for i in range(16)]
+    row = simulate(meta_model(str(tiny_config)), work, SHAPED, plugins=[schedule], block_size=4, num_blocks=12,
+                   safety_margin=0.0)
+    steps = row["steps"]
+    assert len(schedule.cached) == len(schedule.hits) == len(schedule.misses) == len(schedule.evicted) == steps
+    assert sum(schedule.hits) == round(row["prefix_hit_rate"] * (sum(schedule.hits) + sum(schedule.misses)))
+    assert sum(schedule.hits) > 0 and sum(schedule.evicted) == row["blocks_evicted"] > 0
+    assert max(schedule.cached) > 0 and all(0 <= u + c <= 1 for u, c in zip(schedule.kv_usage, schedule.cached))
+    grid, starts, ends = schedule.cells(axis="time")
+    assert ends[-1] == pytest.approx(row["wall_s"], rel=0.05) and all(starts[1:] == ends[:-1])
+    binned, _, _ = schedule.cells(max_cols=2)  # a request's prefill and decodes in one bin: the prefill shows
+    assert binned.shape == (16, 2) and {int(v) for v in binned.max(axis=1)} == {PREFILL}
+    assert (schedule.cells()[0] == DECODE).any()
+    for axis in ("step", "time"):
+        schedule.draw(str(tmp_path / f"{axis}.png"), axis=axis)
+        assert (tmp_path / f"{axis}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="'step' or 'time'"):
+        schedule.cells(axis="seconds")
+
+
 def test_fair_share_keeps_one_tenants_burst_from_holding_the_other_back(tiny_config):
     from jitney.bench.traces import materialize, two_tenants
 
