@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import time
 
 from collections.abc import Callable, Mapping
@@ -75,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the jitney modes in this process, one after another (faster; but each run then "
                              "inherits the allocator's state, warm caches and the peak RSS of those before it); by "
                              "default each runs in a fresh child process that loads the model itself")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every mode this many times, each pass in the reverse order of the one before (no "
+                             "mode always first while the machine drifts); rows carry their pass, and the medians "
+                             "of each mode's passes are printed and reported")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--chunk-context-cost", type=float, default=None,
                         help="jitney's EngineConfig.chunk_context_cost (default: the model's; 0: a chunk counts its tokens only)")
@@ -435,6 +440,25 @@ def runs(args, peers: Mapping[str, Peer] = PEERS) -> list[tuple[str, Callable]]:
     return out
 
 
+def alternated(plan: list[tuple[str, Callable]], repeat: int) -> list[tuple[int, str, Callable]]:
+    """(pass, label, runner) for `repeat` passes over `plan`, each in the reverse order of the one before."""
+    return [(k + 1, label, runner) for k in range(repeat) for label, runner in (plan if k % 2 == 0 else plan[::-1])]
+
+
+def medians_of(rows: list[dict], labels: list[str]) -> dict[str, dict]:
+    """Per label (in `labels`' order, once each), the median of its rows' wall time, tok/s, start-up and peak RSS,
+    and the range of its wall times."""
+    out = {}
+    for label in dict.fromkeys(labels):
+        mine = [r for r in rows if r["mode"] == label]
+        if mine:
+            out[label] = {k: round(statistics.median(r[k] for r in mine), 3)
+                          for k in ("wall_s", "output_tok_s", "startup_s", "peak_rss_mib")}
+            out[label] |= {"wall_s_range": [min(r["wall_s"] for r in mine), max(r["wall_s"] for r in mine)],
+                           "runs": len(mine)}
+    return out
+
+
 def parsed_share(tokenizer, outputs: list[list[int]]) -> float:
     """Share of `outputs` whose text parses as JSON."""
     ok = 0
@@ -527,13 +551,17 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
     print(f"memory read {first_read:.1f} GB/s; weights {weights / 1e6:.0f} MB -> one pass a token allows "
           f"{first_read * 1e9 / weights:.1f} tok/s on one stream")
     rows, outputs = [], {}
-    args.single_jitney_run = sum(label.startswith("jitney") for label, _ in runs(args, peers)) <= 1  # (timeline names)
-    for label, runner in runs(args, peers):
+    plan, repeat = runs(args, peers), getattr(args, "repeat", 1)
+    if repeat < 1:
+        raise ValueError(f"--repeat must be at least 1 (got {repeat})")
+    args.single_jitney_run = sum(label.startswith("jitney") for label, _ in plan) <= 1  # (timeline names)
+    for run, label, runner in alternated(plan, repeat):
         t = time.perf_counter()
+        passed = {"run": run} if repeat > 1 else {}
         try:
             outputs[label], stats, wall = runner(model, tokenizer, work, args)  # wall: first request to last token
         except PeerFailed as failed:
-            rows.append({"mode": label, "failed": failed.signal or "error", "reason": failed.reason})
+            rows.append({"mode": label, **passed, "failed": failed.signal or "error", "reason": failed.reason})
             print(f"  {label}: failed, {failed.reason}", flush=True)
             continue
         startup = getattr(stats, "startup_s", None)
@@ -542,7 +570,7 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
         # (jitney's own tokens: a reply held to a grammar ends with its JSON; the others run to their counts)
         tokens = sum(map(len, outputs[label])) if isinstance(stats, StepStats) else out_tokens
         row = {
-            "mode": label, "wall_s": round(wall, 2), "output_tok_s": round(tokens / wall, 1),
+            "mode": label, **passed, "wall_s": round(wall, 2), "output_tok_s": round(tokens / wall, 1),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
             "startup_s": round(startup, 2),
         }
@@ -609,17 +637,18 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
             other = next((r for r in measured if r["mode"] == hf), None)
             if other is not None and row is not other:
                 row[f"vs_{hf}"] = round(row["output_tok_s"] / other["output_tok_s"], 2)
-    print(f"\n{'mode':<14} {'wall s':>7} {'out tok/s':>9} {'vs hf-cb':>8} {'vs static':>9} {'roofline':>8} {'hit rate':>8} "
+    w = max([14, *(len(row["mode"]) for row in rows)])  # (labels like jitney-nolookup[lru] are wider)
+    print(f"\n{'mode':<{w}} {'wall s':>7} {'out tok/s':>9} {'vs hf-cb':>8} {'vs static':>9} {'roofline':>8} {'hit rate':>8} "
           f"{'prompt computed':>15} {'ITL p99 ms':>10} {'preempted':>9} {'same tokens':>11} {'peak RSS MiB':>12}")
     for row in rows:
         if "failed" in row:
-            print(f"{row['mode']:<14} failed ({row['failed']}): {row['reason']}")
+            print(f"{row['mode']:<{w}} failed ({row['failed']}): {row['reason']}")
             continue
         hit = f"{row['prefix_hit_rate']:.0%}" if "prefix_hit_rate" in row else "-"
         computed = str(row.get("prompt_tokens_computed", "-"))
         itl, preempted = str(row.get("itl_p99_ms", "-")), str(row.get("preemptions", "-"))
         cb, static = (f"{row[k]:.2f}x" if k in row else "-" for k in ("vs_hf-cb", "vs_hf-static"))
-        print(f"{row['mode']:<14} {row['wall_s']:>7.1f} {row['output_tok_s']:>9.1f} {cb:>8} {static:>9} "
+        print(f"{row['mode']:<{w}} {row['wall_s']:>7.1f} {row['output_tok_s']:>9.1f} {cb:>8} {static:>9} "
               f"{row['roofline_share']:>8.0%} {hit:>8} {computed:>15} {itl:>10} {preempted:>9} "
               f"{row['same_tokens_as_first']:>11.0%} {row['peak_rss_mib']:>12}")
     for row in measured:
@@ -652,6 +681,11 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
         if row.get("draft_tokens"):
             print(f"{row['mode']}: {row['speculative_steps']} speculative steps of {row['steps']}, "
                   f"{row['draft_accepted_share']:.0%} of {row['draft_tokens']} proposed tokens accepted")
+    medians = medians_of(measured, [label for label, _ in plan]) if repeat > 1 else None
+    if medians:
+        print(f"medians of {repeat} alternated passes: " + "; ".join(
+            f"{label} {m['wall_s']} s ({m['wall_s_range'][0]}-{m['wall_s_range'][1]}), {m['output_tok_s']} tok/s"
+            for label, m in medians.items()))
     if getattr(args, "tokens_path", None):
         with open(args.tokens_path, "w") as f:
             json.dump({"dtype": dtype, "outputs": outputs}, f)
@@ -660,6 +694,8 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
               "bf16_matmul_peak_gflops": bf16_peak, "bf16_unit": unit if bf16 else None,
               "read_gbps": read, "read_first_gbps": first_read, "weight_bytes": weights,
               "weight_read_limit_tok_s": round(weight_limit, 1), "rows": rows}
+    if medians:
+        report["medians"] = medians
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)

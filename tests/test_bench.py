@@ -241,3 +241,25 @@ def test_each_jitney_run_is_apart_by_default_and_the_bench_then_holds_only_shape
     model, _ = real(args, meta=True)
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert run.weight_bytes(model) == run.weight_bytes(tiny_llama())
+
+
+def test_repeated_passes_alternate_their_order_and_report_each_modes_medians(tmp_path):
+    from jitney.bench.run import alternated, runs
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--modes", "jitney,jitney-nolookup,hf-cb", "--repeat", "3"])
+    order = [(k, label) for k, label, _ in alternated(runs(args), args.repeat)]
+    assert order == [(1, "jitney"), (1, "jitney-nolookup"), (1, "hf-cb"), (2, "hf-cb"), (2, "jitney-nolookup"),
+                     (2, "jitney"), (3, "jitney"), (3, "jitney-nolookup"), (3, "hf-cb")]
+    tiny_llama().save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "bench.json"
+    assert cli(["bench", "--model", str(tmp_path / "tiny"), "--workload", "long-prompt", "--max-batch-tokens", "48",
+                "--modes", "jitney,hf-cb", "--repeat", "2", "--in-process", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["mode"], r["run"]) for r in report["rows"]] == [("jitney", 1), ("hf-cb", 1), ("hf-cb", 2), ("jitney", 2)]
+    walls = sorted(r["wall_s"] for r in report["rows"] if r["mode"] == "jitney")
+    median = report["medians"]["jitney"]
+    assert median["runs"] == 2 and median["wall_s"] == pytest.approx(sum(walls) / 2) and median["wall_s_range"] == walls
+    assert all(r["same_tokens_as_first"] == 1.0 for r in report["rows"])
+    assert cli(["bench", "--model", str(tmp_path / "tiny"), "--modes", "jitney", "--repeat", "0"]) != 0
