@@ -7,9 +7,9 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 import torch
