@@ -252,11 +252,11 @@ class StepExecutor:
         best = self.decoder.argmax(logits)
         runs, start = [], 0
         for e, (i, guess) in enumerate(zip(p.sampled_entries, proposals)):
-            rows = slice(start, start + len(guess) + 1)
-            start = rows.stop
+            span = slice(start, start + len(guess) + 1)  # (its token's row, then one a guess)
+            start = span.stop
             row, k = p.rows[e], p.params[e].logprobs
             try:
-                run, logprobs = greedy_run(logits[rows], best[rows], guess, row, k)
+                run, logprobs = greedy_run(logits[span], best[span], guess, row, k)
             except Exception as exc:
                 run, self.row_errors[i] = [0], f"sampling failed: {type(exc).__name__}: {exc}"
                 logprobs = []

@@ -112,6 +112,18 @@ class TokenStream:
         )
 
 
+async def finished(stream: TokenStream) -> Completion:
+    """Read `stream` (a `TokenStream`, or a stream of its interface) to its end and return its completion, a failed
+    request's too (its `error` says why) instead of raising."""
+    async with stream:
+        try:
+            async for _ in stream:
+                pass
+        except RequestError:
+            pass
+        return stream.completion()
+
+
 class _StopText:
     """One sample's streamed text cut at its first stop string: text that could still be the start of one is
     held back until it cannot (or the sample ends)."""

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from jitney.core import chat as chats
 from jitney.core.engine import Engine
 from jitney.core.request import Completion, Request, RequestError
-from jitney.core.stream import TokenStream
+from jitney.core.stream import TokenStream, finished
 from jitney.plugins.metrics import PrometheusMetrics
 from jitney.serve import protocol as p
 from jitney.serve.http import BearerAuth, json_response, read_body, unless_disconnected
@@ -204,7 +204,7 @@ class _Server:
         if body.stream:
             return StreamingResponse(self._events(body, stream, chat, prompt_tokens, echo), media_type="text/event-stream",
                                      headers=headers)
-        present, done = await unless_disconnected(request, lambda: _finish(stream))
+        present, done = await unless_disconnected(request, lambda: finished(stream))
         if not present:  # the client left and its request was aborted: nobody reads this
             return Response(status_code=499)
         failure = self._failure(done)
@@ -337,17 +337,6 @@ class _Server:
 
     async def openapi_document(self, request: HttpRequest) -> Response:
         return Response(self.schema, media_type="application/json")
-
-
-async def _finish(stream: TokenStream) -> Completion:
-    """Run a request to its end (a failed one too: its completion says why)."""
-    async with stream:
-        try:
-            async for _ in stream:
-                pass
-        except RequestError:
-            pass
-        return stream.completion()
 
 
 def _tools_on(body) -> bool:

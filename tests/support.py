@@ -77,15 +77,9 @@ async def engine_tokens(model, work, **config) -> list[list[int]]:
 
 async def finish(engine, request):
     """Run `request` through `engine` to its end, a failed one too: its completion says why."""
-    from jitney import RequestError
+    from jitney.core.stream import finished
 
-    async with engine.stream(request) as stream:
-        try:
-            async for _ in stream:
-                pass
-        except RequestError:
-            pass
-        return stream.completion()
+    return await finished(engine.stream(request))
 
 
 async def complete_all(engine, requests) -> list:
