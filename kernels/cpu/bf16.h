@@ -241,7 +241,7 @@ torch::Tensor vnni_panels(torch::Tensor packed) {
               "vnni_panels: bf16 panels from pack_panels, the input width a multiple of 32");
   const int64_t panels = packed.size(0), k = packed.size(1);
   uint16_t* data = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_pack(panels, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> panel(k * PANEL);  // one panel as it was
     for (int64_t p = begin; p < end; ++p) {
       uint16_t* op = data + p * k * PANEL;

@@ -208,21 +208,21 @@ torch::Tensor pack_panels_w8a8(std::vector<torch::Tensor> qs, torch::Tensor scal
   auto out = huge_page_tensor({(n + PANEL - 1) / PANEL, width}, torch::kByte);
   uint8_t* op = out.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
-  int64_t j = 0;
-  for (const auto& block : qs) {
-    const auto q = block.contiguous();
-    const int8_t* qp = q.data_ptr<int8_t>();
-    for (int64_t i = 0; i < q.size(0); ++i, ++j) {
+  std::vector<torch::Tensor> held;
+  const auto rows = stacked_rows<int8_t>(qs, held);
+  parallel_pack(out.size(0), [&](int64_t begin, int64_t end) {  // (a panel a task)
+    for (int64_t j = begin * PANEL; j < std::min(n, end * PANEL); ++j) {  // output feature
       uint8_t* panel = op + (j / PANEL) * width;
       const int64_t f = j % PANEL;
       int32_t* sums = reinterpret_cast<int32_t*>(panel + k * PANEL);
+      const int8_t* qp = rows[j];
       for (int64_t c = 0; c < k; ++c) {
-        panel[((c / 4) * PANEL + f) * 4 + c % 4] = static_cast<uint8_t>(qp[i * k + c]);
-        sums[(c / A8_BLOCK) * PANEL + f] -= 128 * qp[i * k + c];
+        panel[((c / 4) * PANEL + f) * 4 + c % 4] = static_cast<uint8_t>(qp[c]);
+        sums[(c / A8_BLOCK) * PANEL + f] -= 128 * qp[c];
       }
       std::memcpy(panel + k * PANEL + blocks * PANEL * 4 + f * 4, sp + j, 4);
     }
-  }
+  });
   return out;
 }
 
@@ -425,23 +425,25 @@ torch::Tensor int8_from_panels(torch::Tensor packed, int64_t n, bool gated) {
   auto out = huge_page_tensor({panels, width}, torch::kChar);
   const at::BFloat16* ip = packed.data_ptr<at::BFloat16>();
   int8_t* op = out.data_ptr<int8_t>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> column(k);
+  parallel_pack(panels, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t to = gated ? (p % 2 ? panels / 2 + p / 2 : p / 2) : p;  // (gated: gate, up, gate, up, ...)
       const at::BFloat16* panel = ip + p * k * PANEL;
       int8_t* qp = op + to * width;
-      for (int64_t j = 0; j < PANEL && to * PANEL + j < n; ++j) {
-        float top = 0.f;
-        for (int64_t c = 0; c < k; ++c) {
-          column[c] = static_cast<float>(panel[vnni ? (c / 2) * 2 * PANEL + 2 * j + c % 2 : c * PANEL + j]);
-          top = std::max(top, std::fabs(column[c]));
-        }
-        const float scale = top > 0.f ? top / 127.f : 1.f;
-        for (int64_t c = 0; c < k; ++c)
-          qp[c * PANEL + j] = static_cast<int8_t>(std::clamp(std::nearbyint(column[c] / scale), -127.f, 127.f));
-        std::memcpy(qp + k * PANEL + j * 4, &scale, 4);
-      }
+      // Input by input over the panel's 16 features side by side (the loops over them vectorise): a padded
+      // feature's weights are zeros, rounded to zeros; its scale is left as the zeroed page has it.
+      auto weight = [&](int64_t c, int64_t j) {
+        return static_cast<float>(panel[vnni ? (c / 2) * 2 * PANEL + 2 * j + c % 2 : c * PANEL + j]);
+      };
+      float top[PANEL] = {}, scale[PANEL];
+      for (int64_t c = 0; c < k; ++c)
+        for (int64_t j = 0; j < PANEL; ++j) top[j] = std::max(top[j], std::fabs(weight(c, j)));
+      for (int64_t j = 0; j < PANEL; ++j) scale[j] = top[j] > 0.f ? top[j] / 127.f : 1.f;
+      for (int64_t c = 0; c < k; ++c)
+        for (int64_t j = 0; j < PANEL; ++j)
+          qp[c * PANEL + j] = static_cast<int8_t>(std::clamp(std::nearbyint(weight(c, j) / scale[j]), -127.f, 127.f));
+      const int64_t features = std::min<int64_t>(PANEL, n - to * PANEL);
+      std::memcpy(qp + k * PANEL, scale, 4 * features);
     }
   });
   return out;
