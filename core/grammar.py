@@ -108,6 +108,12 @@ class Grammars:
         return _llguidance().LLMatcher(self.index(), self.grammar(grammar), log_level=0)
 
 
+UNFOLLOWABLE = "the grammar cannot be followed with this model's tokens"
+"""What a request fails with where its grammar needs bytes no sequence of the vocabulary's tokens spells (a regex of
+a code point whose first byte no token holds): the matcher's mask then offers a token it refuses (llguidance 1.9).
+The grammar is at fault, not the server (`serve.app` answers 400)."""
+
+
 def processor(grammars: Grammars):
     """The `grammar` logits processor of an engine: each sample's matcher in its row's `state`."""
 
@@ -119,8 +125,9 @@ def processor(grammars: Grammars):
             state["fed"] = 0
         fed = state["fed"]
         for tok in row.output_ids[fed:]:
-            if not matcher.consume_token(tok):
-                raise RuntimeError(f"the grammar refused token {tok}: {matcher.get_error()}")
+            if not matcher.consume_token(tok):  # (a token its own mask allowed: a text the tokens cannot spell)
+                raise RuntimeError(f"{UNFOLLOWABLE}: its matcher allowed token {tok}, then refused it: "
+                                   f"{matcher.get_error()}")
         state["fed"] = len(row.output_ids)
         if matcher.is_error():
             raise RuntimeError(f"the grammar failed: {matcher.get_error()}")

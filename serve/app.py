@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from jitney.core import chat as chats
 from jitney.core.engine import Engine
+from jitney.core.grammar import UNFOLLOWABLE
 from jitney.core.request import Completion, Request, RequestError
 from jitney.core.stream import TokenStream, finished
 from jitney.plugins.metrics import PrometheusMetrics
@@ -296,10 +297,13 @@ class _Server:
             yield _sse(envelope([], _usage(done)))
 
     def _failure(self, done: Completion) -> ApiError | None:
-        """The error a request that did not finish answers: 500 when the engine failed it, 503 when it was
+        """The error a request that did not finish answers: 500 when the engine failed it (400 when its grammar
+        could not be followed), 503 when it was
         cancelled on the server's side (a client that left gets no answer)."""
         reasons = {s.finish_reason for s in done.samples}
         if "error" in reasons:
+            if UNFOLLOWABLE in (done.error or ""):  # (the request's own grammar, not the server)
+                return ApiError(400, f"generation failed: {done.error}")
             return ApiError(500, f"generation failed: {done.error}", kind="server_error")
         if reasons - {"stop", "length"}:
             why = "the server is shutting down" if self.shutting_down else "it was cancelled on the server"

@@ -255,6 +255,10 @@ def test_structured_output_through_the_openai_client(server, client):
         r = httpx.post(server[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                        json={"model": "smollm2", "messages": CHAT, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    # a regex of a code point whose lead byte (0xF2) no SmolLM2 token holds: the request's fault, a 400
+    r = httpx.post(server[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "smollm2", "messages": CHAT, "structured_outputs": {"regex": "\U0009adad"}})
+    assert r.status_code == 400 and "cannot be followed" in r.json()["error"]["message"], r.text
 
 
 def test_messages_in_the_shapes_openai_clients_send(server, client):

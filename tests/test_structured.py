@@ -112,6 +112,8 @@ async def test_regex_choice_and_any_object_beside_plain_requests(smollm2):
     assert pick.text in ("alpha", "beta", "gamma ray") and pick.finish_reason == "stop"
     assert isinstance(json.loads(obj.text)["code"], str)
     assert bad.finish_reason == "error" and "logits processor 'grammar' failed" in bad.error and "not JSON" in bad.error
+    [unspellable] = await run(smollm2, [Request(ids, SamplingParams(max_new_tokens=5, grammar=Grammar.regex("\U0009adad")))])
+    assert unspellable.finish_reason == "error" and "cannot be followed with this model's tokens" in unspellable.error
     assert free.token_ids == (await run(smollm2, [Request(ids, plain)]))[0].token_ids  # (its batch went on)
 
 
