@@ -222,6 +222,7 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
     """Run the workload through jitney (each request submitted at its `args.arrivals` second, when given);
     `config_fields` override `EngineConfig` fields. `structured`: each reply held to a JSON schema (json-16's own,
     any JSON object on other workloads), ending where the JSON does, not at its token count."""
+    begin = time.perf_counter()  # (start-up: from here to the first request; the model's loading is not in it)
     from jitney import Engine, EngineConfig, Grammar, Request, SamplingParams
 
     need = sum(-(-(len(p) + n) // args.block_size) for p, n in work)
@@ -269,6 +270,7 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
             for grammar in grammars:  # (the tokenizer's index, ~0.3 s once, and each schema: start-up, as a server does)
                 engine.grammars.grammar(grammar)
             t0 = time.perf_counter()  # after start-up (weight packing), like the other modes
+            stats.startup_s = t0 - begin
 
             async def one(i: int) -> None:
                 prompt = work[i][0]
@@ -297,6 +299,8 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
                 stats.attention_s = decoder.native.attention_seconds - attention
             decoder = None  # (held past the exit, it would keep the packed copies while the weights are put back)
             stats.memory = engine.memory()  # (entered: the packed parts are there)
+            served = time.perf_counter()
+        stats.shutdown_s = time.perf_counter() - served  # (the weights unpacked back into the model)
 
     anyio.run(main)
     if getattr(args, "timeline", None):
@@ -318,9 +322,7 @@ def run_jitney_apart(model, tokenizer, work: Workload, args, **kw):
 
 def _jitney_child(args, work: Workload, kw: dict):
     model, tokenizer = load_bench_model(args)
-    t = time.perf_counter()
     out, stats, wall = run_jitney(model, tokenizer, work, args, **kw)
-    stats.startup_s = time.perf_counter() - t - wall
     stats.recorder = SimpleNamespace(shapes=stats.recorder.shapes)  # (the step shapes alone travel back)
     return out, stats, wall
 
@@ -353,7 +355,7 @@ def run_hf_cb(model, tokenizer, work: Workload, args):
 
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in work), eos_token_id=None, pad_token_id=0)
     model.set_attn_implementation("sdpa")
-    out = {}
+    out, begin = {}, time.perf_counter()
     with model.continuous_batching_context_manager(generation_config=gen, block=True) as manager:
         t0 = time.perf_counter()  # after the manager's start-up
         ids = [manager.add_request(prompt, f"r{i}", max_new_tokens=n) for i, (prompt, n) in enumerate(work)]
@@ -362,7 +364,8 @@ def run_hf_cb(model, tokenizer, work: Workload, args):
             if result is not None and result.is_finished():
                 out[result.request_id] = list(result.generated_tokens)
         serving = time.perf_counter() - t0
-    return [out[f"r{i}"] for i in range(len(work))], None, serving
+    times = SimpleNamespace(startup_s=t0 - begin, shutdown_s=time.perf_counter() - t0 - serving)
+    return [out[f"r{i}"] for i in range(len(work))], times, serving
 
 
 def run_hf_static(model, tokenizer, work: Workload, args):
@@ -573,13 +576,14 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
             "mode": label, **passed, "wall_s": round(wall, 2), "output_tok_s": round(tokens / wall, 1),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
             "startup_s": round(startup, 2),
+            **({"shutdown_s": round(stats.shutdown_s, 2)} if getattr(stats, "shutdown_s", None) is not None else {}),
         }
         if getattr(stats, "peak_rss_mib", None) is not None:  # (a child's own: a peer's, or a jitney run apart)
             row["peak_rss_mib"] = stats.peak_rss_mib
         if isinstance(stats, PeerStats):
             if stats.note:
                 row["note"] = stats.note
-        elif stats is not None:
+        elif isinstance(stats, StepStats):
             gaps = sorted(stats.gaps) or [0.0]
             row |= {"prefix_hit_rate": round(stats.hit / max(1, stats.query), 3), "prompt_tokens_computed": stats.prefill,
                     "steps": stats.steps, "forward_share": round(stats.forward_s / wall, 3),
@@ -603,7 +607,8 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
             had = [(p, len(o)) for (p, _), o in zip(work, outputs[label])]
             row["gflop"], row["linear_gflop"] = workload_gflop(model, had), linear_gflop(model, had)
         rows.append(row)
-        print(f"  {label}: {wall:.1f} s (+{startup:.1f} s start-up)", flush=True)
+        stop = f", {stats.shutdown_s:.1f} s to stop" if getattr(stats, "shutdown_s", None) is not None else ""
+        print(f"  {label}: {wall:.1f} s (+{startup:.1f} s start-up{stop})", flush=True)
         if getattr(stats, "memory", None) is not None:
             print(f"    memory: {stats.memory.describe()}", flush=True)
     # This machine's speed drifts: probe again and take the faster reading (the roofline shares err low).
@@ -635,7 +640,7 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
         row["same_prefix_as_first"] = round(prefix_agreement(outputs[row["mode"]], base), 4)
         for hf in ("hf-cb", "hf-static"):
             other = next((r for r in measured if r["mode"] == hf), None)
-            if other is not None and row is not other:
+            if other is not None and row["mode"] != hf:
                 row[f"vs_{hf}"] = round(row["output_tok_s"] / other["output_tok_s"], 2)
     w = max([14, *(len(row["mode"]) for row in rows)])  # (labels like jitney-nolookup[lru] are wider)
     print(f"\n{'mode':<{w}} {'wall s':>7} {'out tok/s':>9} {'vs hf-cb':>8} {'vs static':>9} {'roofline':>8} {'hit rate':>8} "

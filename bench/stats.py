@@ -31,7 +31,8 @@ class StepStats:
         self.attention_s: float | None = None  # seconds in attention, where the one-call decoder says
         self.sampling_s = 0.0  # seconds choosing tokens from whole logits (`StepExecutor.sampling_s`)
         self.memory = None  # what the engine held, by part (`Engine.memory()`), set by the run
-        self.startup_s: float | None = None  # set by a run in a child process (`run_jitney_apart`)
+        self.startup_s: float | None = None  # from the engine's making to the first request (`run_jitney`)
+        self.shutdown_s: float | None = None  # the engine's exit (the weights unpacked back into the model)
         self.peak_rss_mib: int | None = None  # that child's peak
         # KV slots held vs used, summed over steps (`slots`): a pass over every active request's blocks each step
         self.slots = slots

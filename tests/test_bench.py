@@ -38,6 +38,8 @@ def test_bench_runs_each_mode_and_writes_json_and_a_plot(tmp_path):
     assert report["weight_bytes"] == sum(p.numel() * 4 for p in model.parameters()) - model.model.embed_tokens.weight.numel() * 4
     assert report["read_gbps"] > 0 and "weight_read_share" not in jitney  # many requests: not read-bound
     assert 0 < jitney["attainable_share"] and "attainable_share" not in cb and "step_shapes" not in jitney
+    for row in (jitney, cb):  # start-up: up to the first request (loading aside); stopping apart from it
+        assert 0 < row["startup_s"] < 60 and 0 <= row["shutdown_s"] < 60
 
 
 def test_a_peer_that_crashes_fails_its_row_and_the_others_are_still_reported(tmp_path, capsys):
@@ -237,7 +239,7 @@ def test_each_jitney_run_is_apart_by_default_and_the_bench_then_holds_only_shape
     first, second = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert second["same_tokens_as_first"] == 1.0 and (first["eviction"], first["scheduler"]) == ("mru", "fifo")
     for row in (first, second):  # each child's own start-up and peak, not this process's
-        assert 0 < row["startup_s"] < 60 and 0 < row["peak_rss_mib"]
+        assert 0 < row["startup_s"] < 60 and 0 <= row["shutdown_s"] < 60 and 0 < row["peak_rss_mib"]
     model, _ = real(args, meta=True)
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert run.weight_bytes(model) == run.weight_bytes(tiny_llama())
