@@ -430,8 +430,8 @@ torch::Tensor int8_from_panels(torch::Tensor packed, int64_t n, bool gated) {
       const int64_t to = gated ? (p % 2 ? panels / 2 + p / 2 : p / 2) : p;  // (gated: gate, up, gate, up, ...)
       const at::BFloat16* panel = ip + p * k * PANEL;
       int8_t* qp = op + to * width;
-      // Input by input over the panel's 16 features side by side (the loops over them vectorise): a padded
-      // feature's weights are zeros, rounded to zeros; its scale is left as the zeroed page has it.
+      // Input by input over the panel's 16 features side by side, reading and writing the panels in order: a
+      // padded feature's weights are zeros, rounded to zeros; its scale is left as the zeroed page has it.
       auto weight = [&](int64_t c, int64_t j) {
         return static_cast<float>(panel[vnni ? (c / 2) * 2 * PANEL + 2 * j + c % 2 : c * PANEL + j]);
       };

@@ -1,0 +1,41 @@
+"""The simulator against the engine under load (`make nightly`): one arrival trace that queues and evicts, served
+by the embedded model (three runs, each in its own process) and simulated with a profile calibrated here and now.
+Wall time, TTFT p99, ITL p99 and the prefix hit rate must come within 10% of the real runs' medians."""
+
+import json
+import statistics
+
+import pytest
+
+from jitney.cli import main
+
+BOUND = 0.10
+"""Largest error allowed, as a share of the real runs' median."""
+
+FIGURES = ("wall_s", "ttft_p99_ms", "itl_p99_ms", "prefix_hit_rate")
+"""The figures that hold. Not yet the medians (docs/research.md, "Under load"): the median request's first token
+comes after one prefill step or two, and the simulation lands on the later one more often (real medians 229-255
+ms, three simulations 277, 366 and 330 ms with profiles calibrated minutes apart); most tokens come in runs of
+accepted guesses, so the real median gap is 0 ms, and one simulation that took fewer speculative steps (145
+against 202-207) put it at a plain step's 20.7 ms."""
+
+
+@pytest.mark.nightly
+def test_a_loaded_trace_simulates_within_the_bound_of_its_real_runs(tmp_path):
+    profile = tmp_path / "profile.json"
+    assert main(["calibrate", "--model", "smollm2", "--out", str(profile)]) == 0  # (refused where the machine is noisy)
+    parts = []
+    for kind, seed in (("agentic", "3"), ("bursty", "4")):  # 40 requests at 1 a second, tool prompts reused
+        parts.append(tmp_path / f"{kind}.jsonl")
+        assert main(["trace", kind, "--requests", "20", "--rate", "0.5", "--seed", seed, "--out", str(parts[-1])]) == 0
+    trace = tmp_path / "mixed.jsonl"
+    trace.write_text("".join(p.read_text() for p in parts))
+    cache = ["--trace", str(trace), "--num-blocks", "250", "--eviction", "lru"]
+    assert main(["bench", *cache, "--modes", "jitney-nolookup", "--repeat", "3", "--json", str(tmp_path / "real.json")]) == 0
+    assert main(["simulate", *cache, "--profile", str(profile), "--json", str(tmp_path / "sim.json")]) == 0
+    real = json.loads((tmp_path / "real.json").read_text())["rows"]
+    [sim] = json.loads((tmp_path / "sim.json").read_text())["rows"]
+    assert len(real) == 3 and sim["blocks_evicted"] > 0  # (a cache that evicts: what a policy study needs)
+    errors = {figure: sim[figure] / statistics.median(row[figure] for row in real) - 1 for figure in FIGURES}
+    report = ", ".join(f"{figure} {error:+.1%}" for figure, error in errors.items())
+    assert all(abs(error) <= BOUND for error in errors.values()), f"simulated against real: {report}"
