@@ -298,8 +298,8 @@ class _Server:
 
     def _failure(self, done: Completion) -> ApiError | None:
         """The error a request that did not finish answers: 500 when the engine failed it (400 when its grammar
-        could not be followed), 503 when it was
-        cancelled on the server's side (a client that left gets no answer)."""
+        could not be followed), 503 when it was cancelled on the server's side (a client that left gets no
+        answer)."""
         reasons = {s.finish_reason for s in done.samples}
         if "error" in reasons:
             if UNFOLLOWABLE in (done.error or ""):  # (the request's own grammar, not the server)
