@@ -15,7 +15,8 @@ def _generate(args: argparse.Namespace) -> int:
     engine = Engine.from_pretrained(args.model, config=EngineConfig(
         max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks, speculative_tokens=args.speculative_tokens,
         lookup_tokens=args.lookup_tokens, weights=args.weights, compute=args.compute,
-        kv_cache_dtype=args.kv_cache_dtype, scheduler=args.scheduler, eviction=args.eviction, chunk_context_cost=args.chunk_context_cost))
+        kv_cache_dtype=args.kv_cache_dtype, scheduler=args.scheduler, eviction=args.eviction,
+        chunk_context_cost=args.chunk_context_cost, packed_cache=args.packed_cache))
     tok = engine.tokenizer
     prompt: str | list[int] = args.prompt
     if not args.raw and tok is not None and tok.chat_template:
@@ -67,6 +68,9 @@ def _cpu_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bf16: keys and values cached rounded to bfloat16, half the memory and half what decode "
                              "attention reads; int8: as int8 codes with a scale per position and head, about a quarter "
                              "(EngineConfig.kv_cache_dtype)")
+    parser.add_argument("--packed-cache", action="store_true",
+                        help="keep the packed weights on disk and map them on a later start instead of packing again "
+                             "(EngineConfig.packed_cache)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -75,7 +79,8 @@ def _serve(args: argparse.Namespace) -> int:
     fields = dict(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks,
                   cpu_offload_space=args.cpu_offload_space, speculative_tokens=args.speculative_tokens,
                   lookup_tokens=args.lookup_tokens, weights=args.weights, compute=args.compute,
-                  kv_cache_dtype=args.kv_cache_dtype, scheduler=args.scheduler, eviction=args.eviction, chunk_context_cost=args.chunk_context_cost)
+                  kv_cache_dtype=args.kv_cache_dtype, scheduler=args.scheduler, eviction=args.eviction,
+                  chunk_context_cost=args.chunk_context_cost, packed_cache=args.packed_cache)
     EngineConfig(**fields)  # (a bad value is refused here, before any replica starts)
     if args.replicas < 1:
         raise ValueError("--replicas must be >= 1")

@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute", default=None, choices=["fp32", "bf16"],
                         help="every jitney mode's EngineConfig.compute (default: the engine's, bf16 for a bf16 model on "
                              "AMX or AVX512-BF16; e.g. fp32 to time a bf16 model's fp32 path); jitney-bf16c is jitney with bf16")
+    parser.add_argument("--packed-cache", action="store_true",
+                        help="every jitney mode's EngineConfig.packed_cache: the packed weights kept on disk, mapped by "
+                             "a later run of the same model (its start-up is then a second start's)")
     parser.add_argument("--in-process", action="store_true",
                         help="run the jitney modes in this process, one after another (faster; but each run then "
                              "inherits the allocator's state, warm caches and the peak RSS of those before it); by "
@@ -233,7 +236,8 @@ def run_jitney(model, tokenizer, work: Workload, args, eviction: str = "mru", sh
                   scheduler=getattr(args, "scheduler", "fifo"),
                   attention_backend=attention or args.attention,
                   chunk_context_cost=getattr(args, "chunk_context_cost", None),
-                  kv_cache_dtype=getattr(args, "kv_cache_dtype", None), compute=getattr(args, "compute", None))
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", None), compute=getattr(args, "compute", None),
+                  packed_cache=getattr(args, "packed_cache", False))
     if getattr(args, "async_batching", False):
         fields["use_async_batching"] = True
     if getattr(args, "speculative_tokens", None) is not None:

@@ -157,9 +157,10 @@ def cpu_paths(cfg: EngineConfig, model) -> tuple[bool, bool]:
     return pack, fuse
 
 
-def enter_cpu_paths(cfg: EngineConfig, model) -> list:
-    """Packed linears and fused decoder layers, where configured and possible (see `EngineConfig`), entered;
-    the caller exits them in reverse order. If one fails to enter, those already entered are exited."""
+def enter_cpu_paths(cfg: EngineConfig, model, store=None) -> list:
+    """Packed linears and fused decoder layers, where configured and possible (see `EngineConfig`), entered, their
+    packed copies kept in `store` (`stored.PackedStore`, `EngineConfig.packed_cache`); the caller exits them in reverse
+    order. If one fails to enter, those already entered are exited."""
     pack, fuse = cpu_paths(cfg, model)
     fuse = fuse and (next(model.parameters()).dtype == torch.float32 or half_fused(cfg, model))
     quantized, compute = cfg.weights, cfg.compute or default_compute(cfg, model)
@@ -170,11 +171,11 @@ def enter_cpu_paths(cfg: EngineConfig, model) -> list:
     try:  # (each exits itself if it fails to enter, its weights put back)
         if fuse:
             paths.append(cpu_layers.FusedLayers(model, quantized=quantized, screen=cfg.lm_head_screen,
-                                                compute=compute, release=True).__enter__())
+                                                compute=compute, release=True, store=store).__enter__())
         if pack:
             skip = paths[0].linears if fuse else frozenset()
             paths.append(cpu_linear.PackedLinears(model, skip=skip, widen=cfg.batch_invariant, quantized=quantized,
-                                                  compute=compute, release=True).__enter__())
+                                                  compute=compute, release=True, store=store).__enter__())
     except BaseException:
         for path in reversed(paths):
             path.__exit__(None, None, None)

@@ -90,6 +90,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cache unless `kv_cache_dtype`, where the default attention backend serves (`core/assembly.half_fused`). `None`: on where the
     weights are packed and the C++ kernels build."""
 
+    packed_cache: bool = False
+    """On CPU, keep the packed copies of the weights (every packing above, and the speculative draft's) on disk, in
+    `$JITNEY_HOME/packed` (else `~/.cache/jitney/packed`), each file named by the weights' bytes and the packing, and
+    map them on a later start of the same weights instead of packing again: a second start in seconds where fresh
+    memory is slow to touch (docs/benchmarks.md, "A second start"). The first start writes them on a thread of its
+    own once the engine has started (about the packed bytes again on disk; not where that would leave less than 1 GiB
+    free). Mapped weights sit on the page cache's small pages, not on huge pages: decode steps read them slower
+    (measured in docs/performance-notes.md). Delete the directory to take the disk space back."""
+
     lm_head_screen: bool = True
     """On the CPU's one-call decoder, a step whose rows are all greedy takes each row's token through the LM head's
     screen: int8 logits with proven bounds, fp32 logits only where those leave a doubt (`HeadScreen` in

@@ -26,7 +26,7 @@ from jitney.core.config import EngineConfig
 from jitney.core.executor import ForwardThread, PreparedStep, StepExecutor
 from jitney.core.faults import ErrorLog, PluginFault, batch_requests, notify_observers
 from jitney.core.hooks import make_plugin_manager, registry
-from jitney.core.models import load_model
+from jitney.core.models import cache_dir, load_model
 from jitney.core.memory import MemoryUse, memory_use
 from jitney.core.preemption import Preempter
 from jitney.core.request import Completion, Request, RequestStatus, SamplingParams, cut_at_stop
@@ -35,6 +35,7 @@ from jitney.core.stream import TokenStream
 from jitney.kernels import cpu_layers
 from jitney.kernels.base import ATTN_NAME
 from jitney.kernels.cpu_paged import CpuPagedAttention
+from jitney.kernels.stored import PackedStore
 
 if TYPE_CHECKING:
     from jitney.schedulers.base import Batch
@@ -105,6 +106,7 @@ class Engine:
         self._task_group = None
         self._saved_attn = None
         self._attn_bound = False
+        self._store: PackedStore | None = None  # (`EngineConfig.packed_cache`; while entered)
         self._cpu_paths: list = []
         self._forward: ForwardThread | None = None  # the one thread every forward runs on
         self._loop_alive = False
@@ -154,7 +156,12 @@ class Engine:
         self._attn_bound = True
         # Packed on the thread that runs the forwards: weights packed on another thread made each step of
         # SmolLM2 at batch 1 ~30% slower (55 vs 42 ms).
-        self._cpu_paths = await self._started_on_forward_thread(assembly.enter_cpu_paths, self.config, self.model)
+        if self.config.packed_cache and next(self.model.parameters()).device.type == "cpu":
+            self._store = PackedStore(cache_dir() / "packed")
+        self._cpu_paths = await self._started_on_forward_thread(assembly.enter_cpu_paths, self.config, self.model,
+                                                                self._store)
+        if self._store is not None and self._store.mapped:
+            log.info("packed weights mapped from %s (%.2f GiB)", self._store.root, self._store.mapped / 2**30)
         fused = next((p for p in self._cpu_paths if isinstance(p, cpu_layers.FusedLayers)), None)
         if fused is not None and type(self.executor.backend) is CpuPagedAttention:  # the kernel the decoder runs
             self.executor.decoder = fused.decoder
@@ -163,6 +170,8 @@ class Engine:
             await self._started_on_forward_thread(lambda: self.executor.decoder.draft)
         if check:  # the same rows through what will serve: refused here rather than wrong tokens later
             await self._started_on_forward_thread(selfcheck.check, self, reference, sequences, own)
+        if self._store is not None:  # (what this start packed, once it has proven itself)
+            self._store.write_in_background()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._running = True
@@ -212,6 +221,8 @@ class Engine:
             self.abort(request_id)
         self._wake.set()
         try:
+            if self._store is not None:  # (the packed copies' files finished first, unless leaving on an error)
+                await anyio.to_thread.run_sync(self._store.close, exc_info[0] is None)
             await self._unbind()
         finally:
             try:
@@ -236,6 +247,9 @@ class Engine:
                 self.model.set_attn_implementation(self._saved_attn)
                 self._attn_bound = False
             self.executor.decoder = None
+            if self._store is not None:
+                self._store.close()
+                self._store = None
             for path in reversed(self._cpu_paths):
                 path.__exit__(None, None, None)
             self._cpu_paths = []

@@ -194,11 +194,14 @@ class FusedLayers:
     the layers' linears (not the LM head) compute in bf16 (`cpu_linear.PanelLinear(compute=...)`); `release`: the
     layers' packed copies hold their weights instead of the model where they hold them exactly, each layer's given up
     as soon as it is packed (so that packing never holds two copies of the whole model), put back on exit
-    (`cpu_linear.release`, `restore`); the LM head's stays (its screen and the draft read it)."""
+    (`cpu_linear.release`, `restore`); the LM head's stays (its screen and the draft read it). `store`
+    (`stored.PackedStore`): packed copies (the draft's too) mapped from files an earlier start wrote, else kept there to
+    be written."""
 
     def __init__(self, model: nn.Module, quantized: str | None = None, screen: bool = True, compute: str = "fp32",
-                 release: bool = False):
+                 release: bool = False, store=None):
         self.model = model
+        self.store = store
         self.quantized = quantized
         self.compute = compute
         self.screen = screen
@@ -228,7 +231,7 @@ class FusedLayers:
         keep = cpu_linear.shared(self.model)
         for layer in self.model.modules():
             if supported(layer):
-                packs[layer] = _LayerLinears(layer, self.quantized, self.compute)
+                packs[layer] = _LayerLinears(layer, self.quantized, self.compute, self.store)
                 for linears, packed in zip(_groups(layer), packs[layer].linears) if self.release else ():
                     if cpu_linear.release(linears, packed, keep):
                         self.released.append((linears, packed))
@@ -240,7 +243,7 @@ class FusedLayers:
                 self.linears.update(m for group in _groups(layer) for m in group)
         if whole:
             head = self.model.lm_head
-            head.forward = packed_head = _stacked([head], self.quantized)  # the decoder's and the model's forward share it
+            head.forward = packed_head = _stacked([head], self.quantized, store=self.store)  # the decoder's and the model's forward share it
             self.tensors += packed_head.tensors
             self.patched.append(head)
             self.linears.add(head)
@@ -296,6 +299,7 @@ class FusedDecoder:
         self.model = model
         self.kernels = kernels
         self.packs = packs
+        self.head = head
         layers = []
         for layer in model.model.layers:
             p = packs[layer]
@@ -320,7 +324,7 @@ class FusedDecoder:
                          and bool(torch.isfinite(weight).all()))  # (a NaN weight's logit is every row's argmax)
         """Whether greedy steps take the LM head's screen (`HeadScreen` in `kernels/cpu/head_screen.h`): the same tokens
         without most of the fp32 logits."""
-        self.screen_tensors = list(cpu_linear.head_screen(weight)) if self.screened else []
+        self.screen_tensors = _screen(weight, head) if self.screened else []
         """What the screen holds (`core.memory`; its first, the head's weights, may be the model's own)."""
         if self.screened:
             self.native.screen(*self.screen_tensors)
@@ -394,7 +398,7 @@ class FusedDecoder:
                     packed += [cpu_linear.int8_copy(linears, own), _stacked_bias(linears)]
                 layers.append(packed)
             head = self.model.lm_head
-            head_packed, head_bias = cpu_linear.pack_int8([head.weight.detach()]), _stacked_bias([head])
+            head_packed, head_bias = cpu_linear.int8_copy([head], self.head), _stacked_bias([head])
             self._draft = self._native(layers, head_packed, head_bias)
             self.draft_tensors = [t for t in (*(t for packed in layers for t in packed), head_packed, head_bias)
                                   if t is not None]
@@ -487,6 +491,20 @@ def _accepted(best: list[int], proposals: list[list[int]]) -> list[list[int]]:
     return runs
 
 
+def _screen(weight: torch.Tensor, head: cpu_linear.PanelLinear) -> list[torch.Tensor]:
+    """`cpu_linear.head_screen(weight)`, its int8 parts mapped from `head`'s store where an earlier start wrote them
+    (named from the head's packed copy, which `weight` is the weights of)."""
+    store = head.store
+    if store is None:
+        return list(cpu_linear.head_screen(weight))
+    keys = [store.derived(head.key, f"screen {i}") for i in range(1, 6)]
+    parts = [store.load(key) for key in keys]
+    if any(part is None for part in parts):
+        weight, *parts = cpu_linear.head_screen(weight)
+        store.pending += zip(keys, parts)
+    return [weight.detach().contiguous(), *parts]
+
+
 def _stacked_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
     """The biases of linears computed as one, stacked (zeros for those without); None if none has one."""
     if all(m.bias is None for m in linears):
@@ -494,30 +512,31 @@ def _stacked_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
     return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]).float()
 
 
-def _stacked(linears: list[nn.Linear], quantized: str | None = None, compute: str = "fp32") -> cpu_linear.PanelLinear:
+def _stacked(linears: list[nn.Linear], quantized: str | None = None, compute: str = "fp32",
+             store=None) -> cpu_linear.PanelLinear:
     """One packed linear over several that share an input (their weights stay as they are)."""
     return cpu_linear.PanelLinear([m.weight.detach() for m in linears], _stacked_bias(linears), quantized=quantized,
-                                  compute=compute)
+                                  compute=compute, store=store)
 
 
 class _LayerLinears:
     """A decoder layer's four packed linears: q/k/v stacked, o, gate/up (gated: the activation times up in the
     same pass, where the MLP's width is a multiple of 16 and the weights not int8; else stacked) and down."""
 
-    def __init__(self, layer: nn.Module, quantized: str | None = None, compute: str = "fp32"):
+    def __init__(self, layer: nn.Module, quantized: str | None = None, compute: str = "fp32", store=None):
         qkv, o, gate_up, down = _groups(layer)
-        self.qkv = _stacked(qkv, quantized, compute)
-        self.o = _stacked(o, quantized, compute)
+        self.qkv = _stacked(qkv, quantized, compute, store)
+        self.o = _stacked(o, quantized, compute, store)
         self.activation = _activation(layer)
         width = sum(m.out_features for m in gate_up) // 2  # the MLP's
         if width % 16 == 0 and quantized in (None, "bf16"):
             weights = [m.weight.detach() for m in gate_up]
             gate_and_up = weights if len(weights) == 2 else list(weights[0].split(width))  # (one linear: its halves)
             self.gate_up = cpu_linear.PanelLinear(gate_and_up, _stacked_bias(gate_up), gated=True, quantized=quantized,
-                                                  activation=self.activation, compute=compute)
+                                                  activation=self.activation, compute=compute, store=store)
         else:
-            self.gate_up = _stacked(gate_up, quantized, compute)
-        self.down = _stacked(down, quantized, compute)
+            self.gate_up = _stacked(gate_up, quantized, compute, store)
+        self.down = _stacked(down, quantized, compute, store)
 
     @property
     def linears(self) -> tuple[cpu_linear.PanelLinear, ...]:

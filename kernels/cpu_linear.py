@@ -45,11 +45,13 @@ class PackedLinears:
     as without.
 
     `release`: a packed copy that holds its weight exactly (`PanelLinear.exact`) holds it instead of the model, until
-    exit puts the weight back (`release`, `restore`); a weight another module shares stays."""
+    exit puts the weight back (`release`, `restore`); a weight another module shares stays. `store`
+    (`stored.PackedStore`): packed copies mapped from files an earlier start wrote, else kept there to be written."""
 
     def __init__(self, model: nn.Module, skip: set[nn.Module] | frozenset = frozenset(), widen: bool = False,
-                 quantized: str | None = None, compute: str = "fp32", release: bool = False):
+                 quantized: str | None = None, compute: str = "fp32", release: bool = False, store=None):
         self.model = model
+        self.store = store
         self.skip = skip
         self.widen = widen
         self.quantized = quantized
@@ -77,15 +79,15 @@ class PackedLinears:
                 continue
             bias = None if module.bias is None else module.bias.detach().float()
             if self.compute == "bf16" and module is not head:
-                linear = PanelLinear([w.detach()], bias, compute="bf16")
+                linear = PanelLinear([w.detach()], bias, compute="bf16", store=self.store)
             elif w.dtype not in (torch.float32,) + ((torch.bfloat16, torch.float16) if self.widen else ()):
                 continue  # (a half-precision head under bf16 compute: torch's, as without)
             elif w.dtype == torch.float32 and self.quantized:
-                linear = PanelLinear([w.detach()], module.bias, quantized=self.quantized)
+                linear = PanelLinear([w.detach()], module.bias, quantized=self.quantized, store=self.store)
             elif w.dtype == torch.float32:
-                linear = packed_linear([w.detach()], module.bias)
+                linear = packed_linear([w.detach()], module.bias, self.store)
             else:
-                linear = PanelLinear([w.detach().float()], bias)
+                linear = PanelLinear([w.detach().float()], bias, store=self.store)
             module.forward = linear if w.dtype == torch.float32 else _widened(linear)
             self.tensors += linear.tensors
             self.patched.append(module)
@@ -126,10 +128,12 @@ class PanelLinear:
     `compute="bf16"` (`EngineConfig.compute`): the weights rounded to bf16 as "bf16" rounds them, and each row too
     as it enters, their products summed in fp32 on the CPU's matrix units (AMX tiles, else AVX512-BF16, else
     plain C++: `vnni_panels` in `kernels/cpu/bf16.h`); fp32 outputs. Where the input width is not a multiple of 32, rows
-    stay fp32 over the bf16 weights. Not with int8 weights."""
+    stay fp32 over the bf16 weights. Not with int8 weights.
+    `store` (`stored.PackedStore`): the packed copy mapped from its file where an earlier start wrote one, else packed
+    and kept there to be written."""
 
     def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, gated: bool = False,
-                 quantized: str | None = None, activation: str = "silu", compute: str = "fp32"):
+                 quantized: str | None = None, activation: str = "silu", compute: str = "fp32", store=None):
         if quantized not in (None, "int8", "w8a8", "bf16"):
             raise ValueError(f"PanelLinear: quantized is None, 'int8', 'w8a8' or 'bf16', not {quantized!r}")
         if compute not in COMPUTE:
@@ -151,14 +155,20 @@ class PanelLinear:
         them back bit for bit."""
         if quantized == "bf16" or compute == "bf16":
             weights = [w.detach().to(torch.bfloat16) for w in weights]
-        if quantized in ("int8", "w8a8"):
-            self.packed = pack_int8(weights, activations=quantized == "w8a8")
-        else:
-            self.packed = kernels.pack_panels_gated(*weights) if gated else kernels.pack_panels(weights)
         self.compute = "bf16" if compute == "bf16" and weights[0].shape[1] % 32 == 0 else "fp32"
         """What the rows compute in."""
-        if self.compute == "bf16":
-            self.packed = kernels.vnni_panels(self.packed)  # (in place)
+
+        def pack() -> torch.Tensor:
+            if quantized in ("int8", "w8a8"):
+                return pack_int8(weights, activations=quantized == "w8a8")
+            packed = kernels.pack_panels_gated(*weights) if gated else kernels.pack_panels(weights)
+            return kernels.vnni_panels(packed) if self.compute == "bf16" else packed  # (in place)
+
+        self.store = store
+        self.key = None if store is None else store.key("panels", weights, gated=gated, quantized=quantized,
+                                                        compute=self.compute)
+        """Its packed copy's name in `store` (`stored.PackedStore`), where it has one."""
+        self.packed = pack() if store is None else store.fetch(self.key, pack)
         self.width = sum(w.shape[0] for w in weights)  # the kernel's outputs before gating
         self.out_features = self.width // 2 if gated else self.width
         if bias is not None and gated:  # in the panels' order: gate's 16 features, then up's 16, ...
@@ -246,7 +256,14 @@ def restore(linears: list[nn.Linear], packed: PanelLinear) -> None:
 def int8_copy(linears: list[nn.Linear], packed) -> torch.Tensor:
     """`pack_int8` of the weights of `linears` stacked (the speculative draft's), from `packed` where `release` gave
     them up to it: straight from its bf16 panels (C++ `int8_from_panels`: one pass, nothing unpacked), else from the
-    weights it unpacks."""
+    weights it unpacks; mapped from `packed`'s store where an earlier start wrote it."""
+    store = getattr(packed, "store", None)
+    if store is not None:
+        return store.fetch(store.derived(packed.key, "int8"), lambda: _int8_copy(linears, packed))
+    return _int8_copy(linears, packed)
+
+
+def _int8_copy(linears: list[nn.Linear], packed) -> torch.Tensor:
     if not any(released(m) for m in linears):
         return pack_int8([m.weight.detach() for m in linears])
     if packed.packed.dtype == torch.bfloat16:
@@ -348,10 +365,11 @@ def _widened(linear: PanelLinear):
     return forward
 
 
-def packed_linear(weights: list[torch.Tensor], bias: torch.Tensor | None):
-    """A `PanelLinear` where the C++ kernels build, else oneDNN's matmul over a stacked copy packed here."""
+def packed_linear(weights: list[torch.Tensor], bias: torch.Tensor | None, store=None):
+    """A `PanelLinear` where the C++ kernels build (kept in `store`), else oneDNN's matmul over a stacked copy
+    packed here."""
     if native.available():
-        return PanelLinear(weights, bias)
+        return PanelLinear(weights, bias, store=store)
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights) if len(weights) > 1 else weights[0], None)
     out_features = sum(w.shape[0] for w in weights)
 

@@ -1,0 +1,192 @@
+"""Packed weights kept on disk (`EngineConfig.packed_cache`): a start that packs a linear layer's weights writes the
+packed copy to a file named by what it was packed from (the weights' bytes, shapes and types, the packing's options
+and `LAYOUT`); a later start of the same weights maps that file instead of packing again. Its pages come from the
+page cache, where fresh memory is slow to touch on some machines (docs/performance-notes.md, "A second start").
+
+Files are written on a thread of their own once the engine has started and passed its check (`write_in_background`),
+each under a temporary name first, so a file that exists is whole; `close` stops the writing at exit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("jitney.stored")
+
+LAYOUT = 1
+"""The packed layouts' version, part of every key: raise it when a packing's output changes, so that no start maps a
+file of an older layout."""
+
+HEADER = 2**21
+"""Bytes before a file's tensor: its type and shape as JSON, then a hole (no disk), so that the tensor starts on a
+2 MiB boundary of the file and the page cache can hold all of it in 2 MiB folios, which a mapping maps as huge
+pages (ext4 since Linux 6.16: decode steps read those faster)."""
+
+SPARE = 2**30
+"""Bytes of the disk left free: files that would leave less are not written."""
+
+_PIECE = 4 * 2**20
+
+MADV_POPULATE_READ = 22
+
+
+@functools.cache
+def _hashers() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="jitney-hash")
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of `t` (contiguous), without a copy."""
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def digest(t: torch.Tensor) -> bytes:
+    """SHA-256 of the bytes of `t` a piece of 4 MiB at a time, the pieces' digests hashed together (pieces hashed
+    side by side: hashlib lets go of the GIL)."""
+    data = _bytes(t)
+    pieces = [data[start : start + _PIECE] for start in range(0, len(data), _PIECE)]
+    return hashlib.sha256(b"".join(_hashers().map(lambda p: hashlib.sha256(p).digest(), pieces))).digest()
+
+
+class PackedStore:
+    """Packed copies in `root`, one file each (see the module's docstring)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.mapped = 0
+        """Bytes mapped from files."""
+        self.pending: list[tuple[str, torch.Tensor]] = []
+        """Packed copies made here and not yet written."""
+        self.written = 0
+        """Bytes of packed copies written."""
+        self._stop = threading.Event()
+        self._writer: threading.Thread | None = None
+
+    def key(self, kind: str, weights: list[torch.Tensor], **options) -> str:
+        """The name of what packing `weights` by `kind` with `options` gives."""
+        h = hashlib.sha256(f"jitney packed {LAYOUT} {kind} {sorted(options.items())}".encode())
+        for w in weights:
+            h.update(f"{w.dtype} {tuple(w.shape)}".encode())
+            h.update(digest(w))
+        return h.hexdigest()[:40]
+
+    @staticmethod
+    def derived(key: str, kind: str) -> str:
+        """The name of `kind` made from what `key` names (the speculative draft's int8 copy of a packed linear)."""
+        return hashlib.sha256(f"jitney packed {LAYOUT} {kind} of {key}".encode()).hexdigest()[:40]
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}.bin"
+
+    def fetch(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The tensor `key` names, mapped from its file; where there is none (or it is not whole), `make()`, kept to
+        be written."""
+        tensor = self.load(key)
+        if tensor is None:
+            tensor = make()
+            self.pending.append((key, tensor))
+        return tensor
+
+    def load(self, key: str) -> torch.Tensor | None:
+        """The tensor in `key`'s file, mapped (copy on write: nothing written to it reaches the file), or None."""
+        try:
+            f = open(self.path(key), "rb")
+        except FileNotFoundError:
+            return None
+        with f:
+            try:
+                header = json.loads(f.read(4096).rstrip(b"\0"))
+                dtype, shape = getattr(torch, header["dtype"]), tuple(header["shape"])
+            except (ValueError, KeyError, TypeError, AttributeError):
+                log.warning("%s: not a packed weights file; packing again", self.path(key))
+                return None
+            count = 1
+            for n in shape:
+                count *= n
+            nbytes = count * dtype.itemsize
+            if os.fstat(f.fileno()).st_size != HEADER + nbytes:
+                log.warning("%s: %d bytes, not %d; packing again", self.path(key), os.fstat(f.fileno()).st_size,
+                            HEADER + nbytes)
+                return None
+            if nbytes == 0:
+                return torch.empty(shape, dtype=dtype)
+            mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:  # its pages mapped now, not in the first steps (not `MAP_POPULATE`: on a writable mapping, it copies them)
+            mapped.madvise(MADV_POPULATE_READ, HEADER)
+        except OSError:  # (before Linux 5.14)
+            pass
+        self.mapped += nbytes
+        return torch.frombuffer(mapped, dtype=dtype, count=count, offset=HEADER).view(shape)
+
+    def write_in_background(self) -> None:
+        """Write what is pending on a thread of its own, where the disk has room for it (else a log line says so)."""
+        if not self.pending or self._writer is not None:
+            return
+        needed = sum(t.numel() * t.element_size() + 4096 for _, t in self.pending)  # (the headers' holes take none)
+        self.root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.root).free
+        if needed + SPARE > free:
+            log.warning("packed weights not written to %s: %.1f GiB would leave less than %.0f GiB of its disk's "
+                        "%.1f GiB free", self.root, needed / 2**30, SPARE / 2**30, free / 2**30)
+            self.pending = []
+            return
+        self._writer = threading.Thread(target=self._write, args=(self.pending, needed), name="jitney-packed-writer",
+                                        daemon=True)
+        self.pending = []
+        self._writer.start()
+
+    def _write(self, pending: list[tuple[str, torch.Tensor]], needed: int) -> None:
+        try:
+            for key, tensor in pending:
+                if not self._write_one(key, tensor):
+                    return  # (stopped)
+                self.written += tensor.numel() * tensor.element_size()
+            log.info("packed weights written to %s (%.2f GiB): a later start maps them", self.root, needed / 2**30)
+        except OSError as e:
+            log.warning("packed weights not written to %s: %s", self.root, e)
+
+    def _write_one(self, key: str, tensor: torch.Tensor) -> bool:
+        """Whether it wrote `tensor` to `key`'s file (or found it there) before `close` stopped it."""
+        path = self.path(key)
+        if path.exists():
+            return True
+        header = json.dumps({"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}).encode()
+        partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
+        try:
+            with open(partial, "wb") as f:
+                f.write(header)
+                f.truncate(HEADER)
+                f.seek(HEADER)
+                data = _bytes(tensor)
+                for start in range(0, len(data), _PIECE):
+                    if self._stop.is_set():
+                        return False
+                    f.write(data[start : start + _PIECE])
+            os.replace(partial, path)  # (whole: closed first)
+            return True
+        finally:
+            partial.unlink(missing_ok=True)  # (gone already where it was renamed)
+
+    def close(self, finish: bool = False) -> None:
+        """Stop writing (a file half written is removed; `finish`: not before what is pending is written) and let go
+        of what was pending."""
+        if finish and self._writer is not None and self._writer.is_alive():
+            log.info("finishing the packed weights' files in %s", self.root)
+        else:
+            self._stop.set()
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        self.pending = []

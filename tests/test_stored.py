@@ -1,0 +1,119 @@
+"""Packed weights kept on disk (`EngineConfig.packed_cache`, `kernels/stored.py`): the first start writes what it
+packed, a later start of the same weights maps it instead of packing, with the same tokens; a file that is not whole
+is packed again; other weights or another packing never map it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import engine_tokens, random_requests, reference, tiny_llama
+
+from jitney import Engine, EngineConfig, Request, SamplingParams
+from jitney.kernels import native
+from jitney.kernels.stored import HEADER, PackedStore
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="packed weights need jitney's C++ kernels")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """The packed weights' directory in `tmp_path` (not the kernels': they would build again)."""
+    monkeypatch.setattr("jitney.core.engine.cache_dir", lambda: tmp_path)
+    return tmp_path / "packed"
+
+
+def test_a_key_names_the_bytes_shapes_and_packing():
+    store = PackedStore("unused")
+    w = torch.randn(32, 64)
+    key = store.key("panels", [w], gated=False)
+    assert store.key("panels", [w.clone()], gated=False) == key
+    changed = w.clone()
+    changed[31, 63] += 1e-6
+    assert store.key("panels", [changed], gated=False) != key  # one weight's last bit
+    assert store.key("panels", [w], gated=True) != key
+    assert store.key("panels", [w.view(64, 32)], gated=False) != key
+    assert store.key("panels", [w.to(torch.bfloat16)], gated=False) != key
+    assert store.derived(key, "int8") != key
+
+
+def test_written_then_mapped_copy_on_write(tmp_path):
+    store = PackedStore(tmp_path)
+    t = torch.randn(3, 40, 16)
+    assert store.fetch("k", lambda: t) is t and store.mapped == 0
+    store.write_in_background()
+    store.close(finish=True)
+    assert store.written == t.numel() * 4
+    again = PackedStore(tmp_path)
+    mapped = again.fetch("k", lambda: pytest.fail("packed again"))
+    assert torch.equal(mapped, t) and again.mapped == t.numel() * 4 and not again.pending
+    mapped.zero_()  # (copy on write: the file keeps its bytes)
+    assert torch.equal(PackedStore(tmp_path).load("k"), t)
+
+
+def test_a_file_cut_short_is_packed_again(tmp_path):
+    store = PackedStore(tmp_path)
+    store.fetch("k", lambda: torch.ones(1000))
+    store.write_in_background()
+    store.close(finish=True)
+    path = store.path("k")
+    path.write_bytes(path.read_bytes()[:-4])
+    again = PackedStore(tmp_path)
+    assert torch.equal(again.fetch("k", lambda: torch.full((1000,), 2.0)), torch.full((1000,), 2.0))
+    assert again.pending and again.mapped == 0
+    path.write_bytes(b"not a header")
+    assert PackedStore(tmp_path).load("k") is None
+
+
+def test_closing_without_finishing_leaves_whole_files_only(tmp_path):
+    store = PackedStore(tmp_path)
+    for i in range(4):
+        store.fetch(f"k{i}", lambda: torch.ones(2**20))
+    store.write_in_background()
+    store.close()  # (may stop between files or inside one)
+    store = PackedStore(tmp_path)
+    store.fetch("empty", lambda: torch.ones(0))
+    store.write_in_background()
+    store.close(finish=True)
+    assert torch.equal(PackedStore(tmp_path).load("empty"), torch.ones(0))
+    for path in (p for p in tmp_path.iterdir() if p.stem != "empty"):
+        assert path.suffix == ".bin" and path.stat().st_size == HEADER + 2**22
+
+
+@pytest.mark.parametrize("dtype, compute", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+async def test_a_second_start_maps_what_the_first_wrote(home, dtype, compute):
+    model = tiny_llama().to(dtype)
+    work = random_requests(4, model.config.vocab_size, max_new=12, seed=1)
+    config = dict(num_blocks=64, compute=compute)
+    plain = await engine_tokens(model, work, **config)
+    assert await engine_tokens(model, work, **config, packed_cache=True) == plain  # (packs, writes)
+    files = sorted(home.iterdir())
+    assert files and all(f.suffix == ".bin" for f in files)
+    async with Engine(model, config=EngineConfig(**config, packed_cache=True, max_batch_tokens=16,
+                                                 block_size=4)) as engine:
+        store = engine._store
+        use = engine.memory()
+        assert use.screen > 0  # (the screen's int8 parts mapped too; its weights are the model's)
+        assert store.mapped == use.packed + use.draft + use.screen - sum(  # every packed copy mapped, biases aside
+            t.numel() * t.element_size() for p in engine._cpu_paths for t in p.tensors if t.dim() == 1)
+        assert not store.pending
+    assert sorted(home.iterdir()) == files  # nothing new written
+    assert await engine_tokens(model, work, **config, packed_cache=True) == plain
+    if dtype == torch.float32:
+        prompt, n = work[0]
+        assert plain[0] == reference(model, prompt, n)
+    # the model's weights are its own again after a mapped start
+    assert all(p.numel() > 0 for p in model.parameters())
+
+
+async def test_other_weights_never_map_them(home):
+    first, second = tiny_llama(seed=0), tiny_llama(seed=1)
+    async with Engine(first, config=EngineConfig(num_blocks=64, packed_cache=True)):
+        pass
+    written = len(list(home.iterdir()))
+    prompt = [5, 6, 7, 8]
+    expected = reference(second, prompt, 8)
+    async with Engine(second, config=EngineConfig(num_blocks=64, packed_cache=True)) as engine:
+        assert engine._store.mapped == 0
+        out = await engine.generate(Request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True)))
+        assert out.token_ids == expected
+    assert len(list(home.iterdir())) == 2 * written
