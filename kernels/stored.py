@@ -47,6 +47,9 @@ def _hashers() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="jitney-hash")
 
 
+os.register_at_fork(after_in_child=_hashers.cache_clear)  # (a forked child has none of its threads: a pool of its own)
+
+
 def _bytes(t: torch.Tensor) -> memoryview:
     """The bytes of `t` (contiguous), without a copy."""
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
@@ -103,7 +106,10 @@ class PackedStore:
         """The tensor in `key`'s file, mapped (copy on write: nothing written to it reaches the file), or None."""
         try:
             f = open(self.path(key), "rb")
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            log.warning("%s: not read (%s); packing again", self.path(key), e)
             return None
         with f:
             try:
@@ -122,7 +128,11 @@ class PackedStore:
                 return None
             if nbytes == 0:
                 return torch.empty(shape, dtype=dtype)
-            mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as e:
+                log.warning("%s: not mapped (%s); packing again", self.path(key), e)
+                return None
         try:  # its pages mapped now, not in the first steps (not `MAP_POPULATE`: on a writable mapping, it copies them)
             mapped.madvise(MADV_POPULATE_READ, HEADER)
         except OSError:  # (before Linux 5.14)
@@ -135,8 +145,13 @@ class PackedStore:
         if not self.pending or self._writer is not None:
             return
         needed = sum(t.numel() * t.element_size() + 4096 for _, t in self.pending)  # (the headers' holes take none)
-        self.root.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(self.root).free
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(self.root).free
+        except OSError as e:
+            log.warning("packed weights not written to %s: %s", self.root, e)
+            self.pending = []
+            return
         if needed + SPARE > free:
             log.warning("packed weights not written to %s: %.1f GiB would leave less than %.0f GiB of its disk's "
                         "%.1f GiB free", self.root, needed / 2**30, SPARE / 2**30, free / 2**30)

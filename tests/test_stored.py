@@ -117,3 +117,15 @@ async def test_other_weights_never_map_them(home):
         out = await engine.generate(Request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True)))
         assert out.token_ids == expected
     assert len(list(home.iterdir())) == 2 * written
+
+
+async def test_a_directory_that_cannot_be_written_costs_a_warning_only(tmp_path, monkeypatch, caplog):
+    (tmp_path / "packed").write_text("a file where the directory would be")
+    monkeypatch.setattr("jitney.core.engine.cache_dir", lambda: tmp_path)
+    model = tiny_llama()
+    prompt = [5, 6, 7, 8]
+    expected = reference(model, prompt, 6)
+    async with Engine(model, config=EngineConfig(num_blocks=64, packed_cache=True)) as engine:
+        out = await engine.generate(Request(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True)))
+        assert out.token_ids == expected
+    assert "packed weights not written" in caplog.text
