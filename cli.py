@@ -126,6 +126,8 @@ _TOOLS = {
     "calibrate": ("jitney.bench.profile", "time real steps on this machine and fit the step-time profile that "
                                           "`jitney simulate` uses (or --analytic, from hardware figures)"),
     "trace": ("jitney.bench.traces", "generate a request trace (JSONL) of a realistic shape"),
+    "fidelity": ("jitney.bench.fidelity", "a simulation's figures against real runs', policy by policy: signed errors "
+                                          "and Kendall's tau of the policies' rankings"),
     "quality": ("jitney.bench.quality", "perplexity on held-out text through the engine's kernels, fp32 against int8 "
                                         "weights or a bf16 KV cache, and how often their most likely tokens agree"),
 }

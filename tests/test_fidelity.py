@@ -3,10 +3,10 @@ by the embedded model (three runs, each in its own process) and simulated with a
 Wall time, TTFT p99, ITL p99 and the prefix hit rate must come within 10% of the real runs' medians."""
 
 import json
-import statistics
 
 import pytest
 
+from jitney.bench.fidelity import compare
 from jitney.cli import main
 
 BOUND = 0.10
@@ -36,6 +36,7 @@ def test_a_loaded_trace_simulates_within_the_bound_of_its_real_runs(tmp_path):
     real = json.loads((tmp_path / "real.json").read_text())["rows"]
     [sim] = json.loads((tmp_path / "sim.json").read_text())["rows"]
     assert len(real) == 3 and sim["blocks_evicted"] > 0  # (a cache that evicts: what a policy study needs)
-    errors = {figure: sim[figure] / statistics.median(row[figure] for row in real) - 1 for figure in FIGURES}
+    [cells] = compare(real, [sim], BOUND)["cells"].values()
+    errors = {figure: cells[figure]["error"] for figure in FIGURES}
     report = ", ".join(f"{figure} {error:+.1%}" for figure, error in errors.items())
     assert all(abs(error) <= BOUND for error in errors.values()), f"simulated against real: {report}"

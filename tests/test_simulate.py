@@ -405,7 +405,7 @@ def test_a_trace_recorded_without_token_ids_keeps_the_prefix_sharing_and_no_text
 
 
 def test_calibration_refuses_a_noisy_fit_and_keeps_a_better_profile(tiny_config, tmp_path, monkeypatch, capsys):
-    """A fit error above 15%, or a profile worse than the one saved: not written (exit 1, the reason and what to do), unless --force; the first simulation on a machine
+    """A fit error above 10%, or a profile worse than the one saved: not written (exit 1, the reason and what to do), unless --force; the first simulation on a machine
     refuses to keep a noisy calibration too."""
     from msgspec.structs import replace
 
@@ -414,7 +414,7 @@ def test_calibration_refuses_a_noisy_fit_and_keeps_a_better_profile(tiny_config,
 
     assert profile.refusal(SHAPED) is None
     noisy = replace(SHAPED, fit_error=2.319, steps=500)
-    assert "fit error (231.9% a step) is above 15%" in profile.refusal(noisy)
+    assert "fit error (231.9% a step) is above 10%" in profile.refusal(noisy)
     good, fine = replace(SHAPED, fit_error=0.04, steps=500), replace(SHAPED, fit_error=0.06, steps=500)
     assert "already saved fits better (4.0% a step against 6.0%)" in profile.refusal(fine, good)
     assert profile.refusal(good, fine) is None
