@@ -18,6 +18,7 @@ import mmap
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +37,9 @@ pages (ext4 since Linux 6.16: decode steps read those faster)."""
 
 SPARE = 2**30
 """Bytes of the disk left free: files that would leave less are not written."""
+
+STALE_S = 3600
+"""A half-written file untouched this long (seconds) was left by a process that died writing it."""
 
 _PIECE = 4 * 2**20
 
@@ -152,6 +156,7 @@ class PackedStore:
             log.warning("packed weights not written to %s: %s", self.root, e)
             self.pending = []
             return
+        self._prune()
         if needed + SPARE > free:
             log.warning("packed weights not written to %s: %.1f GiB would leave less than %.0f GiB of its disk's "
                         "%.1f GiB free", self.root, needed / 2**30, SPARE / 2**30, free / 2**30)
@@ -161,6 +166,15 @@ class PackedStore:
                                         daemon=True)
         self.pending = []
         self._writer.start()
+
+    def _prune(self) -> None:
+        """Remove files half written by a process that died writing them (untouched for `STALE_S`)."""
+        for partial in self.root.glob("*.part"):
+            try:
+                if time.time() - partial.stat().st_mtime > STALE_S:
+                    partial.unlink()
+            except OSError:  # (another process's, removed or renamed meanwhile)
+                pass
 
     def _write(self, pending: list[tuple[str, torch.Tensor]], needed: int) -> None:
         try:

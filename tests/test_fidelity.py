@@ -23,7 +23,11 @@ against 202-207) put it at a plain step's 20.7 ms."""
 @pytest.mark.nightly
 def test_a_loaded_trace_simulates_within_the_bound_of_its_real_runs(tmp_path):
     profile = tmp_path / "profile.json"
-    assert main(["calibrate", "--model", "smollm2", "--out", str(profile)]) == 0  # (refused where the machine is noisy)
+    for _ in range(3):  # (a fit above calibrate's bound is refused: the machine was noisy, so again)
+        if main(["calibrate", "--model", "smollm2", "--out", str(profile)]) == 0:
+            break
+    else:
+        pytest.fail("three calibrations in a row were refused as noisy")
     parts = []
     for kind, seed in (("agentic", "3"), ("bursty", "4")):  # 40 requests at 1 a second, tool prompts reused
         parts.append(tmp_path / f"{kind}.jsonl")

@@ -4,6 +4,9 @@ is packed again; other weights or another packing never map it."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 from support import engine_tokens, random_requests, reference, tiny_llama
@@ -129,3 +132,15 @@ async def test_a_directory_that_cannot_be_written_costs_a_warning_only(tmp_path,
         out = await engine.generate(Request(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True)))
         assert out.token_ids == expected
     assert "packed weights not written" in caplog.text
+
+
+def test_files_half_written_by_a_dead_process_are_removed(tmp_path):
+    old, fresh = tmp_path / "a.bin.1.2.part", tmp_path / "b.bin.3.4.part"
+    old.write_bytes(b"x")
+    fresh.write_bytes(b"y")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    store = PackedStore(tmp_path)
+    store.fetch("k", lambda: torch.ones(4))
+    store.write_in_background()
+    store.close(finish=True)
+    assert not old.exists() and fresh.exists()  # (one being written now: kept)
