@@ -243,7 +243,8 @@ class FusedLayers:
                 self.linears.update(m for group in _groups(layer) for m in group)
         if whole:
             head = self.model.lm_head
-            head.forward = packed_head = _stacked([head], self.quantized, store=self.store)  # the decoder's and the model's forward share it
+            # the decoder's and the model's forward share it
+            head.forward = packed_head = _stacked([head], self.quantized, store=self.store)
             self.tensors += packed_head.tensors
             self.patched.append(head)
             self.linears.add(head)
