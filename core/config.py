@@ -95,10 +95,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     `$JITNEY_HOME/packed` (else `~/.cache/jitney/packed`), each file named by the weights' bytes and the packing, and
     map them on a later start of the same weights instead of packing again: a second start in seconds where fresh
     memory is slow to touch (docs/benchmarks.md, "A second start"). The first start writes them on a thread of its
-    own once the engine has started (about the packed bytes again on disk; not where that would leave less than 1 GiB
-    free). On ext4 since Linux 6.16 the page cache maps them as huge pages, and decode steps read them as fast; on a
-    file system that keeps small pages, ~13% slower (docs/performance-notes.md). Delete the directory to take the
-    disk space back."""
+    own once the engine has started, and its exit waits for them (about the packed bytes again on disk; not where that
+    would leave less than 1 GiB free). On ext4 since Linux 6.16 the page cache maps them as huge pages, and decode
+    steps read them as fast; on a file system that keeps small pages, ~13% slower (docs/performance-notes.md).
+    Delete the directory to take the disk space back."""
 
     lm_head_screen: bool = True
     """On the CPU's one-call decoder, a step whose rows are all greedy takes each row's token through the LM head's

@@ -153,6 +153,7 @@ class PanelLinear:
         self.exact = quantized not in ("int8", "w8a8") and not narrowed
         """Whether the packed copy holds the weights themselves (relaid, or widened to fp32), so that `weight()` gives
         them back bit for bit."""
+        originals = weights  # (what its copy is named by in `store`: the draft's and the screen's derive from it)
         if quantized == "bf16" or compute == "bf16":
             weights = [w.detach().to(torch.bfloat16) for w in weights]
         self.compute = "bf16" if compute == "bf16" and weights[0].shape[1] % 32 == 0 else "fp32"
@@ -165,7 +166,7 @@ class PanelLinear:
             return kernels.vnni_panels(packed) if self.compute == "bf16" else packed  # (in place)
 
         self.store = store
-        self.key = None if store is None else store.key("panels", weights, gated=gated, quantized=quantized,
+        self.key = None if store is None else store.key("panels", originals, gated=gated, quantized=quantized,
                                                         compute=self.compute)
         """Its packed copy's name in `store` (`stored.PackedStore`), where it has one."""
         self.packed = pack() if store is None else store.fetch(self.key, pack)

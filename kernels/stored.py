@@ -4,7 +4,8 @@ and `LAYOUT`); a later start of the same weights maps that file instead of packi
 page cache, where fresh memory is slow to touch on some machines (docs/performance-notes.md, "A second start").
 
 Files are written on a thread of their own once the engine has started and passed its check (`write_in_background`),
-each under a temporary name first, so a file that exists is whole; `close` stops the writing at exit.
+each under a temporary name first, so a file that exists is whole; `close` finishes them at the engine's exit (or
+stops them, on an exit by an error).
 """
 
 from __future__ import annotations
@@ -126,9 +127,9 @@ class PackedStore:
             for n in shape:
                 count *= n
             nbytes = count * dtype.itemsize
-            if os.fstat(f.fileno()).st_size != HEADER + nbytes:
-                log.warning("%s: %d bytes, not %d; packing again", self.path(key), os.fstat(f.fileno()).st_size,
-                            HEADER + nbytes)
+            size = os.fstat(f.fileno()).st_size
+            if size != HEADER + nbytes:
+                log.warning("%s: %d bytes, not %d; packing again", self.path(key), size, HEADER + nbytes)
                 return None
             if nbytes == 0:
                 return torch.empty(shape, dtype=dtype)

@@ -39,6 +39,20 @@ def test_a_key_names_the_bytes_shapes_and_packing():
     assert store.derived(key, "int8") != key
 
 
+def test_a_rounded_copy_is_named_by_the_weights_it_was_rounded_from(tmp_path):
+    """Two fp32 weights that round to the same bf16 ones: their bf16 copies are the same, but the draft's int8 copies
+    (named from theirs) are made from the fp32 weights, so the names differ."""
+    from jitney.kernels.cpu_linear import PanelLinear
+
+    store = PackedStore(tmp_path)
+    w = torch.randn(32, 64)
+    near = w.clone()
+    near[0, 0] = torch.nextafter(w[0, 0], torch.tensor(float("inf")))
+    assert torch.equal(w.to(torch.bfloat16), near.to(torch.bfloat16))
+    a, b = (PanelLinear([x], None, quantized="bf16", store=store) for x in (w, near))
+    assert torch.equal(a.packed, b.packed) and a.key != b.key
+
+
 def test_written_then_mapped_copy_on_write(tmp_path):
     store = PackedStore(tmp_path)
     t = torch.randn(3, 40, 16)
