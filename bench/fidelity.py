@@ -16,8 +16,8 @@ import math
 import statistics
 from pathlib import Path
 
-FIGURES = {"wall_s": "wall s", "ttft_p50_ms": "TTFT p50 ms", "ttft_p99_ms": "TTFT p99 ms", "itl_p50_ms": "ITL p50 ms",
-           "itl_p99_ms": "ITL p99 ms", "prefix_hit_rate": "hit rate"}
+FIGURES = {"wall_s": "wall s", "ttft_p50_ms": "TTFT p50 ms", "ttft_p99_ms": "TTFT p99 ms", "ttft_mean_ms": "TTFT mean ms",
+           "itl_p50_ms": "ITL p50 ms", "itl_p99_ms": "ITL p99 ms", "prefix_hit_rate": "hit rate"}
 """The figures compared, by their rows' keys."""
 
 
@@ -62,8 +62,9 @@ def kendall_tau(a: list[float], b: list[float], pairs: list[tuple[int, int]] | N
 
 
 def compare(real_rows: list[dict], sim_rows: list[dict], bound: float = 0.10) -> dict:
-    """Per policy and figure: the real runs' median, their range, the simulated figure (the median of its rows) and
-    the signed error (None where the real median is 0); per figure, Kendall's tau over the policies, and the cells
+    """Per policy and figure: the real runs' median, their range, the simulated figure (the median of its rows:
+    several where `jitney simulate --seeds` drew step-time noise), their range and the signed error of the medians
+    (None where the real median is 0); per figure, Kendall's tau over the policies, and the cells
     past `bound`."""
     real: dict[str, list[dict]] = {}
     for row in real_rows:
@@ -86,7 +87,8 @@ def compare(real_rows: list[dict], sim_rows: list[dict], bound: float = 0.10) ->
             median, predicted = statistics.median(values), statistics.median(simulated)
             error = predicted / median - 1 if median else None
             cells[name][key] = {"real": median, "real_range": [min(values), max(values)], "runs": len(values),
-                                "sim": predicted, "error": error}
+                                "sim": predicted, "sim_range": [min(simulated), max(simulated)],
+                                "sim_runs": len(simulated), "error": error}
     taus, apart = {}, {}
     for key in FIGURES:
         if all(key in cells[name] for name in policies):
@@ -106,8 +108,17 @@ def _number(key: str, value: float) -> str:
     return f"{value:.1%}" if key == "prefix_hit_rate" else f"{value:,.2f}" if key == "wall_s" else f"{value:,.1f}"
 
 
+def _spread(key: str, cell: dict, side: str) -> str:
+    """ (low-high) where the side has several runs, else nothing."""
+    if cell.get("runs" if side == "real" else "sim_runs", 1) < 2:
+        return ""
+    low, high = cell[f"{side}_range"]
+    return f" ({_number(key, low)}-{_number(key, high)})"
+
+
 def table(result: dict) -> str:
-    """The comparison as a markdown table: a row a policy, a column a figure ("real median (range) / sim (error)"),
+    """The comparison as a markdown table: a row a policy, a column a figure ("real median (range) / sim median
+    (range, where several) (error)"),
     and last rows of Kendall's tau, over every pair and over the pairs the real runs tell apart."""
     keys = [key for key in FIGURES if any(key in result["cells"][name] for name in result["policies"])]
     lines = ["| policy | " + " | ".join(f"{FIGURES[key]} real / sim" for key in keys) + " |",
@@ -119,10 +130,9 @@ def table(result: dict) -> str:
             if cell is None:
                 parts.append("-")
                 continue
-            low, high = cell["real_range"]
-            spread = f" ({_number(key, low)}-{_number(key, high)})" if cell["runs"] > 1 else ""
+            real, sim = (_number(key, cell[side]) + _spread(key, cell, side) for side in ("real", "sim"))
             error = "real 0" if cell["error"] is None else f"{cell['error']:+.1%}"
-            parts.append(f"{_number(key, cell['real'])}{spread} / {_number(key, cell['sim'])} ({error})")
+            parts.append(f"{real} / {sim} ({error})")
         lines.append(f"| {name} | " + " | ".join(parts) + " |")
     for label, field in (("Kendall's tau", "kendall_tau"), ("tau, pairs told apart", "kendall_tau_apart")):
         taus = [result[field].get(key) for key in keys]

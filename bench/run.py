@@ -23,7 +23,7 @@ import torch
 from jitney.bench.isolation import Peer, PeerFailed, PeerStats, run_in_child, run_peer
 from jitney.bench.peers import PEERS
 from jitney.bench.profile import StepRecorder
-from jitney.bench.stats import StepStats, percentile_ms
+from jitney.bench.stats import StepStats, mean_ms, percentile_ms
 from jitney.bench.workloads import (ARRIVING, MODEL_SHAPES, TAKES_TOKENIZER, WORKLOADS, Workload, json_schemas,
                                     long_prompt, shaped_model)
 
@@ -594,6 +594,7 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
                     "preemptions": stats.preemptions, "itl_p50_ms": round(1000 * gaps[len(gaps) // 2], 1),
                     "itl_p99_ms": round(1000 * gaps[int(len(gaps) * 0.99)], 1), "itl_max_ms": round(1000 * gaps[-1], 1),
                     "ttft_p50_ms": percentile_ms(stats.ttft, 0.5), "ttft_p99_ms": percentile_ms(stats.ttft, 0.99),
+                    "ttft_mean_ms": mean_ms(stats.ttft),
                     "kv_unused_share": round(1 - stats.slots_used / max(1, stats.slots_allocated), 4),
                     "speculative_steps": stats.speculative_steps, "draft_tokens": stats.drafted,
                     "draft_accepted_share": round(stats.accepted / max(1, stats.drafted), 3)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import random
@@ -23,7 +24,7 @@ import msgspec
 import torch
 
 from jitney.bench.profile import SPECULATIVE, StepProfile, features, profile_for
-from jitney.bench.stats import StepStats, percentile_ms
+from jitney.bench.stats import StepStats, mean_ms, percentile_ms
 from jitney.bench.workloads import WORKLOADS
 from jitney.core import events as ev
 from jitney.core.hooks import hookimpl
@@ -55,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                         help="where this machine has no profile for the model, stop with an error instead of "
                              "calibrating one")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="simulate each policy this many times, each with its own seeded step-time noise (rows "
+                             "carry `seed`): a distribution to set beside real runs, whose steps vary")
+    parser.add_argument("--jitter", type=float, default=None,
+                        help="spread of a step's time about its prediction, as a share (default: the profile's fit "
+                             "error a step where --seeds > 1, else 0: a single simulation repeats exactly)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the rows to this file")
     parser.add_argument("--replicas", type=int, default=1, help="a fleet of engines, as `jitney serve --replicas`")
     parser.add_argument("--router", default="prefix_affinity",
@@ -89,17 +96,22 @@ class VirtualClock:
 class SimulatedForward:
     """Stands in for `StepExecutor.forward`: the step's predicted time is added to the clock and every sampled
     entry draws `SIM_TOKEN`. A speculative step's row takes each of its k proposals with the profile's
-    `acceptance` chance, up to its first rejection (a seeded draw: a simulation repeats exactly)."""
+    `acceptance` chance, up to its first rejection (a seeded draw: a simulation repeats exactly). With `jitter`
+    > 0, each step's time is the prediction times a log-normal draw of mean 1 and spread `jitter` (seeded apart
+    from the acceptance draws), as a real step's time varies about its shape's."""
 
-    def __init__(self, executor, profile: StepProfile, clock: VirtualClock, seed: int = 0):
+    def __init__(self, executor, profile: StepProfile, clock: VirtualClock, seed: int = 0, jitter: float = 0.0):
         self.executor, self.profile, self.clock = executor, profile, clock
         self.steps = 0
         self.rng = random.Random(seed)
+        self.jitter, self.noise = jitter, random.Random(f"step times {seed}")
 
     def __call__(self, prepared, started):
         started()
         k = prepared.speculate
         seconds = self.profile.predict(features(prepared.step, len(prepared.params), k))
+        if self.jitter:
+            seconds *= math.exp(self.noise.gauss(-self.jitter ** 2 / 2, self.jitter))
         self.clock.now += seconds
         self.executor.forward_s = seconds
         self.executor.row_errors, self.executor.row_logprobs = {}, {}
@@ -272,10 +284,12 @@ async def _drive(engines: list, clocks: list[VirtualClock], work: list[Arrival],
 
 
 def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timeline_path: str | None = None,
-             replicas: int = 1, router: str | None = None, timeline_axis: str = "step", **config_fields) -> dict:
+             replicas: int = 1, router: str | None = None, timeline_axis: str = "step", seed: int = 0,
+             jitter: float = 0.0, **config_fields) -> dict:
     """One simulated run of `work`: a `jitney bench`-style row (and its schedule drawn to `timeline_path`).
     With `replicas` > 1, a fleet of engines (each on its own clock, as replicas run side by side) behind the
-    registered router `router`, as `jitney serve --replicas` places requests."""
+    registered router `router`, as `jitney serve --replicas` places requests. `seed` seeds the run's draws
+    (draft acceptance, and step times where `jitter` > 0: `SimulatedForward`)."""
     from jitney import Engine, EngineConfig
     from jitney.core.hooks import make_plugin_manager, registry
     from jitney.plugins.timeline import ScheduleTimeline
@@ -296,7 +310,7 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timel
     engines, forwards = [], []
     for k, clock in enumerate(clocks):  # (one model object per engine: the meta model is built again)
         engine = Engine(model if k == 0 else _twin(model), None, config, plugins=[timeline, *plugins], clock=clock)
-        forwards.append(SimulatedForward(engine.executor, profile, clock, seed=k))
+        forwards.append(SimulatedForward(engine.executor, profile, clock, seed=seed * 1_000_003 + k, jitter=jitter))
         engine.executor.forward = forwards[-1]
         engine.executor.device = torch.device("cpu")  # the steps' inputs are read by the cost model, not on meta
         if profile.speculates:
@@ -327,11 +341,13 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timel
     name = f"{config.scheduler}/{config.eviction}" + (f" x{replicas} {fleet['router']}" if fleet else "")
     return {
         "mode": f"sim[{name}]", "scheduler": config.scheduler, "eviction": config.eviction, **fleet,
+        "seed": seed, "jitter": round(jitter, 4),
         "wall_s": round(wall, 2), "output_tok_s": round(out_tokens / wall, 1) if wall > 0 else math.inf,
         "prefix_hit_rate": round(timeline.hit / max(1, timeline.query), 3), "prompt_tokens_computed": timeline.prefill,
         "steps": sum(f.steps for f in forwards), "preemptions": timeline.preemptions, "refused": timeline.refused,
         "blocks_evicted": timeline.evicted,
         "ttft_p50_ms": percentile_ms(timeline.ttft, 0.5), "ttft_p99_ms": percentile_ms(timeline.ttft, 0.99),
+        "ttft_mean_ms": mean_ms(timeline.ttft),
         "itl_p50_ms": percentile_ms(timeline.gaps, 0.5), "itl_p99_ms": percentile_ms(timeline.gaps, 0.99),
         "speculative_steps": timeline.speculative_steps, "draft_tokens": timeline.drafted,
         "draft_accepted_share": round(timeline.accepted / max(1, timeline.drafted), 3),
@@ -341,6 +357,8 @@ def simulate(model, work: list[Arrival], profile: StepProfile, plugins=(), timel
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.seeds < 1:
+        raise ValueError("--seeds must be at least 1")
     model = meta_model(args.model)
     profile = profile_for(args.profile, args.model, calibrate_missing=args.calibrate)
     if args.acceptance is not None:
@@ -360,23 +378,28 @@ def main(args: argparse.Namespace) -> int:
     need = sum(-(-(len(a.prompt) + a.output_tokens) // args.block_size) for a in work)
     num_blocks = args.num_blocks or (int(need * args.cache_share) if args.cache_share else need)
     name = args.trace or args.workload
-    print(f"{name}: {len(work)} requests; cache {num_blocks} blocks; profile {profile.describe()}")
+    jitter = args.jitter if args.jitter is not None else profile.fit_error if args.seeds > 1 else 0.0
+    if not 0 <= jitter < 1:
+        raise ValueError("--jitter must be within [0, 1)")
+    noise = f"; {args.seeds} seeds, step times spread {jitter:.1%}" if args.seeds > 1 or jitter else ""
+    print(f"{name}: {len(work)} requests; cache {num_blocks} blocks; profile {profile.describe()}{noise}")
     rows = []
     routers = args.router.split(",") if args.replicas > 1 else [None]
     runs = [(s, e, r) for s in args.scheduler.split(",") for e in args.eviction.split(",") for r in routers]
-    for scheduler, eviction, router in runs:
+    for (scheduler, eviction, router), seed in itertools.product(runs, range(args.seeds)):
         t = time.perf_counter()
-        picture = args.timeline
+        picture = args.timeline if seed == 0 else None  # (the first seed's schedule drawn)
         if picture and len(runs) > 1:
             picture = str(Path(picture).with_name(f"{Path(picture).stem}-{scheduler}-{eviction}{Path(picture).suffix}"))
         row = simulate(model, work, profile, timeline_path=picture, timeline_axis=args.timeline_axis,
-                       replicas=args.replicas, router=router,
+                       replicas=args.replicas, router=router, seed=seed, jitter=jitter,
                        scheduler=scheduler, eviction=eviction, num_blocks=num_blocks, block_size=args.block_size,
                        max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=max(64, len(work)),
                        speculative_tokens=args.speculative_tokens)
         row["with_startup_s"] = round(time.perf_counter() - t, 2)
         rows.append(row)
-        print(f"  {row['mode']}: {row['wall_s']} s simulated, hit rate {row['prefix_hit_rate']:.0%}, "
+        label = row["mode"] + (f" seed {seed}" if args.seeds > 1 else "")
+        print(f"  {label}: {row['wall_s']} s simulated, hit rate {row['prefix_hit_rate']:.0%}, "
               f"{row['blocks_evicted']} cached blocks evicted, "
               f"TTFT p50 {row['ttft_p50_ms']} ms, ITL p50 {row['itl_p50_ms']} ms ({row['simulated_in_s']} s to run, "
               f"{row['with_startup_s']} s with start-up)")

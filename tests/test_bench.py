@@ -147,6 +147,7 @@ def test_bench_gives_one_stream_its_share_of_the_weight_read_limit(tmp_path):
     assert row["draft_tokens"] > 0 and row["speculative_steps"] > 0 and 0 <= row["draft_accepted_share"] <= 1
     assert plain["draft_tokens"] == 0 and plain["same_tokens_as_first"] == 1.0
     assert row["steps"] < plain["steps"]
+    assert 0 < row["ttft_p50_ms"] == row["ttft_mean_ms"] == row["ttft_p99_ms"]  # (one request)
 
 
 def test_single_chat_is_a_real_question_through_the_chat_template(smollm2):

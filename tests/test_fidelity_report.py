@@ -52,6 +52,16 @@ def test_pairs_whose_real_runs_overlap_are_not_ranked():
     assert table(result).splitlines()[-1].startswith("| tau, pairs told apart | +1.00 | - |")
 
 
+def test_several_simulations_a_policy_are_compared_by_their_median():
+    """`jitney simulate --seeds`: the error is the simulations' median against the real runs', both ranges shown."""
+    real = [row("lru", 10.0, 100, 0.5), row("lru", 12.0, 300, 0.5), row("lru", 11.0, 200, 0.5)]
+    sim = [row("lru", 9.0, 150, 0.5, seed=0), row("lru", 13.0, 250, 0.5, seed=1), row("lru", 11.5, 190, 0.5, seed=2)]
+    cell = compare(real, sim)["cells"]["fifo/lru"]["ttft_p50_ms"]
+    assert cell["sim"] == 190 and cell["sim_range"] == [150, 250] and cell["sim_runs"] == 3
+    assert cell["error"] == pytest.approx(190 / 200 - 1)
+    assert "| fifo/lru | 11.00 (10.00-12.00) / 11.50 (9.00-13.00) (+4.5%)" in table(compare(real, sim))
+
+
 def test_policies_must_match():
     with pytest.raises(ValueError, match="fifo/gdsf"):
         compare([row("lru", 1, 1, 0)], [row("lru", 1, 1, 0), row("gdsf", 1, 1, 0)])

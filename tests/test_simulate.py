@@ -89,6 +89,43 @@ def test_a_simulation_runs_the_serving_plugins_and_hits_the_prefixes_a_real_run_
     assert {k: v for k, v in again.items() if k not in timed} == {k: v for k, v in row.items() if k not in timed}
 
 
+def test_step_time_noise_is_seeded_and_centred_on_the_prediction(tiny_config):
+    """`--seeds` / `--jitter`: each seed's steps are the predictions times a seeded log-normal draw of mean 1, so a
+    seed repeats exactly, seeds differ, and the schedule (which steps run) is the engine's own either way."""
+    model = meta_model(str(tiny_config))
+    work = [Arrival([5, 6, 7, 8], 30), Arrival([9, 10], 30)]
+    second = msgspec.structs.replace(CONSTANT, coefficients=[1.0, 0, 0, 0, 0, 0])  # (a second a step)
+    plain = simulate(model, work, second, block_size=4, num_blocks=32)
+    assert plain["seed"] == 0 and plain["jitter"] == 0
+    rows = [simulate(model, work, second, block_size=4, num_blocks=32, seed=s, jitter=0.2) for s in range(8)]
+    again = simulate(model, work, second, block_size=4, num_blocks=32, seed=3, jitter=0.2)
+    assert again["wall_s"] == rows[3]["wall_s"] and again["itl_p99_ms"] == rows[3]["itl_p99_ms"]
+    assert len({r["wall_s"] for r in rows}) == len(rows)
+    assert all(r["steps"] == plain["steps"] and r["prompt_tokens_computed"] == plain["prompt_tokens_computed"]
+               for r in rows)
+    # (31 steps each, a 20% spread a step: the mean of 8 walls lands within a few percent of the prediction)
+    assert sum(r["wall_s"] for r in rows) / len(rows) == pytest.approx(plain["wall_s"], rel=0.05)
+
+
+def test_seeds_give_one_row_each_and_their_spread_defaults_to_the_fit_error(tiny_config, tmp_path, monkeypatch):
+    import json
+
+    from jitney.bench import simulate as command_module
+    from jitney.cli import main
+
+    noisy = msgspec.structs.replace(SHAPED, fit_error=0.07, steps=100)
+    monkeypatch.setattr(command_module, "profile_for", lambda *a, **k: noisy)
+    out = tmp_path / "sim.json"
+    command = ["simulate", "--model", str(tiny_config), "--workload", "mixed-16", "--eviction", "lru,mru"]
+    assert main([*command, "--seeds", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["eviction"], r["seed"], r["jitter"]) for r in rows] == [
+        (e, s, 0.07) for e in ("lru", "mru") for s in range(3)]
+    assert main([*command, "--json", str(out)]) == 0  # one seed: no noise unless asked
+    assert {r["jitter"] for r in json.loads(out.read_text())["rows"]} == {0}
+    assert main([*command, "--seeds", "0"]) == 2 and main([*command, "--jitter", "1.5"]) == 2
+
+
 def test_virtual_time_is_the_sum_of_the_predicted_steps_and_arrivals_are_honoured(tiny_config):
     model = meta_model(str(tiny_config))
     row = simulate(model, [Arrival([5, 6, 7], 4)], CONSTANT, block_size=4, num_blocks=16)
@@ -97,7 +134,7 @@ def test_virtual_time_is_the_sum_of_the_predicted_steps_and_arrivals_are_honoure
                      block_size=4, num_blocks=16)
     # the engine idles until the second arrives, which then waits one step for its first token, not 100 s
     assert later["wall_s"] == pytest.approx(100.0 + 0.01 * 4)
-    assert later["ttft_p99_ms"] == pytest.approx(10.0)
+    assert later["ttft_p99_ms"] == pytest.approx(10.0) and later["ttft_mean_ms"] == pytest.approx(10.0)
 
 
 def test_a_profile_fit_recovers_a_non_negative_cost_model():
