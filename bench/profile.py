@@ -112,10 +112,15 @@ def refusal(profile: StepProfile, current: StepProfile | None = None) -> str | N
 WHAT_TO_DO = "run `jitney calibrate` again on a quiet machine (nothing else on its cores), or add --force to keep it"
 
 
-def fit(shapes: list[list[float]], seconds: list[float], sweeps: int = 2000) -> list[float]:
+def fit(shapes: list[list[float]], seconds: list[float], sweeps: int = 2000,
+        weights: list[float] | None = None) -> list[float]:
     """Least squares with every coefficient >= 0 (coordinate descent on the normal equations, the columns
-    scaled to unit norm first): correlated features share the cost instead of one going negative."""
+    scaled to unit norm first): correlated features share the cost instead of one going negative. `weights`
+    scale each step's error (1 / its seconds: relative errors)."""
     x, y = np.array(shapes, dtype=float), np.array(seconds, dtype=float)
+    if weights is not None:
+        w = np.array(weights, dtype=float)
+        x, y = x * w[:, None], y * w
     norms = np.linalg.norm(x, axis=0)
     norms[norms == 0] = 1.0
     a = x / norms
@@ -135,14 +140,20 @@ def fit_in_two(shapes: list[list[float]], seconds: list[float]) -> list[float]:
     """`fit` the plain steps' features on the plain steps alone, then the draft's features on what the
     speculative steps took beyond their checking pass as those predict it: the few speculative steps then
     cannot pull the coefficients every other step depends on (fitted together, shared-prefix's wall time
-    went from -3% to +11% and mixed-64's ITL from -8% to -15% against the real runs)."""
+    went from -3% to +11% and mixed-64's ITL from -8% to -15% against the real runs). Each step's error counts
+    as a share of its time, as the fit error is reported: fitted on seconds, a prompt chunk's 300 ms step weighed
+    as much as fifteen 20 ms decode steps. On one calibration's steps, fitted both ways, the relative fit put wall time and
+    ITL p50 a little nearer the real runs on every workload tried, no figure more than 0.3 points farther
+    (docs/research.md)."""
     plain = [i for i, s in enumerate(shapes) if not any(s[SPECULATIVE:])]
-    base = fit([shapes[i][:SPECULATIVE] for i in plain], [seconds[i] for i in plain])
+    base = fit([shapes[i][:SPECULATIVE] for i in plain], [seconds[i] for i in plain],
+               weights=[1 / max(seconds[i], 1e-6) for i in plain])
     drafting = [i for i, s in enumerate(shapes) if any(s[SPECULATIVE:])]
     if not drafting:
         return [*base, *[0.0] * (len(FEATURES) - SPECULATIVE)]
     beyond = [seconds[i] - float(np.dot(base, shapes[i][:SPECULATIVE])) for i in drafting]
-    return [*base, *fit([shapes[i][SPECULATIVE:] for i in drafting], beyond)]
+    return [*base, *fit([shapes[i][SPECULATIVE:] for i in drafting], beyond,
+                        weights=[1 / max(seconds[i], 1e-6) for i in drafting])]
 
 
 def machine_tag() -> str:

@@ -154,6 +154,16 @@ def test_a_profile_fit_recovers_a_non_negative_cost_model():
     assert coefficients == pytest.approx(truth, rel=1e-6, abs=1e-9)
 
 
+def test_profiles_are_fitted_on_relative_errors():
+    """A cost the shapes cannot explain: a 10 ms step and a 1 s step of the same shape. Fitted on seconds the
+    prediction is their mean, 50 times the short one; weighted by 1 / seconds (as `fit_in_two` fits) the squared
+    shares are what is minimised: sum(1 / y) / sum(1 / y**2) = 101 / 10001 s."""
+    shapes, seconds = [[1.0], [1.0]], [0.01, 1.0]
+    assert fit(shapes, seconds)[0] == pytest.approx(0.505)
+    [weighted] = fit(shapes, seconds, weights=[1 / y for y in seconds])
+    assert weighted == pytest.approx(101 / 10001, rel=1e-6)
+
+
 def test_missing_profiles_and_configs_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="jitney calibrate --model nowhere"):
         load_profile(None, "nowhere")
