@@ -16,8 +16,9 @@ import math
 import statistics
 from pathlib import Path
 
-FIGURES = {"wall_s": "wall s", "ttft_p50_ms": "TTFT p50 ms", "ttft_p99_ms": "TTFT p99 ms", "ttft_mean_ms": "TTFT mean ms",
-           "itl_p50_ms": "ITL p50 ms", "itl_p99_ms": "ITL p99 ms", "prefix_hit_rate": "hit rate"}
+FIGURES = {"wall_s": "wall s", "ttft_p50_ms": "TTFT p50 ms", "ttft_p99_ms": "TTFT p99 ms",
+           "ttft_mean_ms": "TTFT mean ms", "itl_p50_ms": "ITL p50 ms", "itl_p99_ms": "ITL p99 ms",
+           "prefix_hit_rate": "hit rate"}
 """The figures compared, by their rows' keys."""
 
 

@@ -141,10 +141,10 @@ def fit_in_two(shapes: list[list[float]], seconds: list[float]) -> list[float]:
     speculative steps took beyond their checking pass as those predict it: the few speculative steps then
     cannot pull the coefficients every other step depends on (fitted together, shared-prefix's wall time
     went from -3% to +11% and mixed-64's ITL from -8% to -15% against the real runs). Each step's error counts
-    as a share of its time, as the fit error is reported: fitted on seconds, a prompt chunk's 300 ms step weighed
-    as much as fifteen 20 ms decode steps. On one calibration's steps, fitted both ways, the relative fit put wall time and
-    ITL p50 a little nearer the real runs on every workload tried, no figure more than 0.3 points farther
-    (docs/research.md)."""
+    as a share of its time, as the fit error is reported: fitted on seconds, a 300 ms prompt chunk off by a share
+    counted 225 times a 20 ms decode step off by the same share. On one calibration's steps, fitted both ways, the
+    relative fit put wall time and ITL p50 a little nearer the real runs on every workload tried, no figure more
+    than 0.3 points farther (docs/research.md)."""
     plain = [i for i, s in enumerate(shapes) if not any(s[SPECULATIVE:])]
     base = fit([shapes[i][:SPECULATIVE] for i in plain], [seconds[i] for i in plain],
                weights=[1 / max(seconds[i], 1e-6) for i in plain])
