@@ -62,17 +62,19 @@ def kendall_tau(a: list[float], b: list[float], pairs: list[tuple[int, int]] | N
     return None if denominator == 0 else (concordant - discordant) / denominator
 
 
+def _by_policy(rows: list[dict]) -> dict[str, list[dict]]:
+    grouped: dict[str, list[dict]] = {}
+    for row in rows:
+        grouped.setdefault(policy(row), []).append(row)
+    return grouped
+
+
 def compare(real_rows: list[dict], sim_rows: list[dict], bound: float = 0.10) -> dict:
     """Per policy and figure: the real runs' median, their range, the simulated figure (the median of its rows:
     several where `jitney simulate --seeds` drew step-time noise), their range and the signed error of the medians
     (None where the real median is 0); per figure, Kendall's tau over the policies, and the cells
     past `bound`."""
-    real: dict[str, list[dict]] = {}
-    for row in real_rows:
-        real.setdefault(policy(row), []).append(row)
-    sim: dict[str, list[dict]] = {}
-    for row in sim_rows:
-        sim.setdefault(policy(row), []).append(row)
+    real, sim = _by_policy(real_rows), _by_policy(sim_rows)
     missing = sorted(set(real) ^ set(sim))
     if missing:
         raise ValueError(f"policies in one set of rows and not the other: {', '.join(missing)}")
@@ -111,7 +113,7 @@ def _number(key: str, value: float) -> str:
 
 def _spread(key: str, cell: dict, side: str) -> str:
     """ (low-high) where the side has several runs, else nothing."""
-    if cell.get("runs" if side == "real" else "sim_runs", 1) < 2:
+    if cell["runs" if side == "real" else "sim_runs"] < 2:
         return ""
     low, high = cell[f"{side}_range"]
     return f" ({_number(key, low)}-{_number(key, high)})"

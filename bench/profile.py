@@ -145,15 +145,15 @@ def fit_in_two(shapes: list[list[float]], seconds: list[float]) -> list[float]:
     counted 225 times a 20 ms decode step off by the same share. On one calibration's steps, fitted both ways, the
     relative fit put wall time and ITL p50 a little nearer the real runs on every workload tried, no figure more
     than 0.3 points farther (docs/research.md)."""
+    relative = [1 / max(y, 1e-6) for y in seconds]
     plain = [i for i, s in enumerate(shapes) if not any(s[SPECULATIVE:])]
     base = fit([shapes[i][:SPECULATIVE] for i in plain], [seconds[i] for i in plain],
-               weights=[1 / max(seconds[i], 1e-6) for i in plain])
+               weights=[relative[i] for i in plain])
     drafting = [i for i, s in enumerate(shapes) if any(s[SPECULATIVE:])]
     if not drafting:
         return [*base, *[0.0] * (len(FEATURES) - SPECULATIVE)]
     beyond = [seconds[i] - float(np.dot(base, shapes[i][:SPECULATIVE])) for i in drafting]
-    return [*base, *fit([shapes[i][SPECULATIVE:] for i in drafting], beyond,
-                        weights=[1 / max(seconds[i], 1e-6) for i in drafting])]
+    return [*base, *fit([shapes[i][SPECULATIVE:] for i in drafting], beyond, weights=[relative[i] for i in drafting])]
 
 
 def machine_tag() -> str:
