@@ -152,12 +152,12 @@ class PackedStore:
         needed = sum(t.numel() * t.element_size() + 4096 for _, t in self.pending)  # (the headers' holes take none)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            self._prune()  # (first: the room they held counts as free)
             free = shutil.disk_usage(self.root).free
         except OSError as e:
             log.warning("packed weights not written to %s: %s", self.root, e)
             self.pending = []
             return
-        self._prune()
         if needed + SPARE > free:
             log.warning("packed weights not written to %s: %.1f GiB would leave less than %.0f GiB of its disk's "
                         "%.1f GiB free", self.root, needed / 2**30, SPARE / 2**30, free / 2**30)

@@ -5,6 +5,7 @@ is packed again; other weights or another packing never map it."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from support import engine_tokens, random_requests, reference, tiny_llama
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
 from jitney.kernels import native
-from jitney.kernels.stored import HEADER, PackedStore
+from jitney.kernels.stored import HEADER, SPARE, PackedStore
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="packed weights need jitney's C++ kernels")
 
@@ -158,3 +159,20 @@ def test_files_half_written_by_a_dead_process_are_removed(tmp_path):
     store.write_in_background()
     store.close(finish=True)
     assert not old.exists() and fresh.exists()  # (one being written now: kept)
+
+
+def test_the_room_stale_files_held_counts_as_free(tmp_path, monkeypatch):
+    stale = tmp_path / "a.bin.1.2.part"
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    room = 64 * 4 + 4096 + SPARE  # (what one 64-float tensor needs, with the spare the store leaves)
+
+    def usage(path):  # (a disk whose free space is short of it until the stale file is gone)
+        return shutil._ntuple_diskusage(10 * room, 9 * room, room - 1 + (0 if stale.exists() else 2))
+
+    monkeypatch.setattr("jitney.kernels.stored.shutil.disk_usage", usage)
+    store = PackedStore(tmp_path)
+    store.fetch("k", lambda: torch.ones(64))
+    store.write_in_background()
+    store.close(finish=True)
+    assert not stale.exists() and store.written == 64 * 4
