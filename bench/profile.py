@@ -22,21 +22,32 @@ import numpy as np
 import torch
 
 FEATURES = ("step", "query_tokens", "sampled_rows", "decode_kv_ktokens", "decode_kv_distinct_ktokens",
-            "prefill_attention_mtokens2", "draft_passes", "draft_tokens", "draft_kv_ktokens")
+            "prefill_attention_mtokens2", "draft_passes", "draft_tokens", "draft_kv_ktokens", "screen_resting")
 """What a step's time is predicted from (KV tokens in thousands, prefill attention in millions of query x key
 pairs). Decode rows sharing a prefix read the same blocks: those reads come from the CPU's caches, so the
 distinct KV tokens read are a feature of their own. A speculative step (`FusedDecoder.speculate`) is its
 draft's k passes over every row (each pass reads the int8 weights once) and one pass of the model over each
-row's token and its k proposals: that pass's shape fills the first features, the draft's the last three. A step
-whose rows come with prompt-lookup guesses (`FusedDecoder.check`) is that checking pass alone."""
+row's token and its k proposals: that pass's shape fills the first features, the draft's the three after. A step
+whose rows come with prompt-lookup guesses (`FusedDecoder.check`) is that checking pass alone. `screen_resting` is 1
+for a step whose greedy rows took every logit of the LM head because its screen was resting (`HeadScreen` in
+`kernels/cpu/head_screen.h`: after a window of rows that mostly missed it, as the first tokens after random prompts
+do), where a screened step reads a quarter of the head's bytes: 2.1 and 5.5 ms a step of SmolLM2's in two
+calibrations on a Zen 4. A simulation takes the screen as on (it has no logits to tell a miss), as it is through a
+served run of longer replies; a calibration's short replies after random prompts rest it for a quarter of their
+steps."""
 
 SPECULATIVE = FEATURES.index("draft_passes")
-"""The first feature only speculative steps have: a profile fitted without any has no coefficients from here."""
+"""The first feature only speculative steps have."""
+DRAFTED = slice(SPECULATIVE, FEATURES.index("draft_kv_ktokens") + 1)
+"""The draft's features (a profile fitted without speculation has them 0, or none: an older profile's list ends
+there)."""
 
 
-def features(step, sampled: int, speculate: int = 0, proposals: list[list[int]] | None = None) -> list[float]:
+def features(step, sampled: int, speculate: int = 0, proposals: list[list[int]] | None = None,
+             resting: bool = False) -> list[float]:
     """A step's shape (`StepInputs`), in `FEATURES` order; `speculate`: the draft tokens of each row, or
-    `proposals`: each row's guesses (its entries are then all one-token decodes, `sampled` of them)."""
+    `proposals`: each row's guesses (its entries are then all one-token decodes, `sampled` of them); `resting`: its
+    greedy rows take every logit, the head's screen resting."""
     query_lens, context_lens, nd = step.query_lens, step.context_lens, step.num_decodes
     decode_kv = sum(context_lens[:nd])  # (decode rows come first; a prompt's one-token chunk is not one)
     prefill_attention = sum(q * c for q, c in zip(query_lens[nd:], context_lens[nd:]))
@@ -47,16 +58,16 @@ def features(step, sampled: int, speculate: int = 0, proposals: list[list[int]] 
     if proposals:  # row j of a request's checking rows reads j tokens more than its decode would
         widths = [1 + len(p) for p in proposals]
         checked = sum(w * c + w * (w - 1) / 2 for w, c in zip(widths, context_lens[:nd]))
-        return [1.0, float(sum(widths)), float(sum(widths)), checked / 1e3, distinct / 1e3, 0.0, 0.0, 0.0, 0.0]
+        return [1.0, float(sum(widths)), float(sum(widths)), checked / 1e3, distinct / 1e3, 0.0, 0.0, 0.0, 0.0, 0.0]
     if not speculate:
         return [1.0, float(sum(query_lens)), float(sampled), decode_kv / 1e3, distinct / 1e3,
-                prefill_attention / 1e6, 0.0, 0.0, 0.0]
+                prefill_attention / 1e6, 0.0, 0.0, 0.0, float(resting)]
     rows, k = len(query_lens), speculate
     # the draft's pass j and the model's row j of each request read j tokens more than its decode would
     draft_kv = k * decode_kv + rows * k * (k - 1) / 2
     checked_kv = (k + 1) * decode_kv + rows * k * (k + 1) / 2
     return [1.0, float(rows * (k + 1)), float(rows * (k + 1)), checked_kv / 1e3, distinct / 1e3, 0.0,
-            float(k), float(rows * k), draft_kv / 1e3]
+            float(k), float(rows * k), draft_kv / 1e3, 0.0]
 
 
 class StepProfile(msgspec.Struct, frozen=True):
@@ -74,6 +85,8 @@ class StepProfile(msgspec.Struct, frozen=True):
     """The chance that the draft's next proposal is the model's own token, measured on the calibration's
     speculative steps (text through the chat template); None: fitted without speculation (or analytic), and
     simulations of it do not speculate."""
+    calibration: int = 1
+    """The `CALIBRATION` that fitted it (a profile saved before there was one reads 1; an analytic one's is moot)."""
 
     @property
     def speculates(self) -> bool:
@@ -90,6 +103,12 @@ class StepProfile(msgspec.Struct, frozen=True):
                 f"total, over {self.steps} steps{drafts}")
 
 
+CALIBRATION = 2
+"""What `calibrate` measures, by version. 2: every step with prompt lookup off, as a simulation has it (at 1 the grid's
+decode steps of many rows were nearly all lookup's checking passes, priced on the same features as the plain decode
+steps a simulation takes), and the screen's rests a feature of their own. A machine's saved profile from an
+earlier version is calibrated again on first use, and a new calibration replaces it whatever their fit errors."""
+
 MAX_FIT_ERROR = 0.10
 """A fitted profile whose mean error a step is above this is not saved: a quiet 2-core machine fits SmolLM2 within
 5-7% (9.6% and 10.7% seen too); 232% was seen while another process used the cores. A 10.7% profile simulated
@@ -103,7 +122,8 @@ def refusal(profile: StepProfile, current: StepProfile | None = None) -> str | N
     if profile.fit_error > MAX_FIT_ERROR:
         return (f"its fit error ({profile.fit_error:.1%} a step) is above {MAX_FIT_ERROR:.0%}: the steps' times were "
                 "too scattered for the cost model, usually because another process used the cores")
-    if current is not None and current.steps and current.fit_error < profile.fit_error:
+    if (current is not None and current.steps and current.calibration == profile.calibration
+            and current.fit_error < profile.fit_error):
         return (f"the profile already saved fits better ({current.fit_error:.1%} a step against "
                 f"{profile.fit_error:.1%})")
     return None
@@ -146,14 +166,18 @@ def fit_in_two(shapes: list[list[float]], seconds: list[float]) -> list[float]:
     relative fit put wall time and ITL p50 a little nearer the real runs on every workload tried, no figure more
     than 0.3 points farther (docs/research.md)."""
     relative = [1 / max(y, 1e-6) for y in seconds]
-    plain = [i for i, s in enumerate(shapes) if not any(s[SPECULATIVE:])]
-    base = fit([shapes[i][:SPECULATIVE] for i in plain], [seconds[i] for i in plain],
-               weights=[relative[i] for i in plain])
-    drafting = [i for i, s in enumerate(shapes) if any(s[SPECULATIVE:])]
-    if not drafting:
-        return [*base, *[0.0] * (len(FEATURES) - SPECULATIVE)]
-    beyond = [seconds[i] - float(np.dot(base, shapes[i][:SPECULATIVE])) for i in drafting]
-    return [*base, *fit([shapes[i][SPECULATIVE:] for i in drafting], beyond, weights=[relative[i] for i in drafting])]
+
+    def own(shape: list[float]) -> list[float]:  # (the features every step has)
+        return [*shape[: DRAFTED.start], *shape[DRAFTED.stop :]]
+
+    plain = [i for i, s in enumerate(shapes) if not any(s[DRAFTED])]
+    base = fit([own(shapes[i]) for i in plain], [seconds[i] for i in plain], weights=[relative[i] for i in plain])
+    drafting = [i for i, s in enumerate(shapes) if any(s[DRAFTED])]
+    draft = [0.0] * (DRAFTED.stop - DRAFTED.start)
+    if drafting:
+        beyond = [seconds[i] - float(np.dot(base, own(shapes[i]))) for i in drafting]
+        draft = fit([shapes[i][DRAFTED] for i in drafting], beyond, weights=[relative[i] for i in drafting])
+    return [*base[: DRAFTED.start], *draft, *base[DRAFTED.start :]]
 
 
 def machine_tag() -> str:
@@ -195,14 +219,20 @@ def profile_for(path: str | None, model: str, calibrate_missing: bool = True) ->
     first simulation of a model on a machine waits for it. `calibrate_missing=False`: raise `FileNotFoundError`
     instead, as `load_profile` does."""
     where = profile_path(model)
-    if path or where.exists() or not calibrate_missing:
+    if path or not calibrate_missing:
         return load_profile(path, model)
+    if where.exists():
+        saved = load_profile(None, model)
+        if not saved.steps or saved.calibration >= CALIBRATION or Path(model).is_file():  # (analytic; a config's)
+            return saved
+        print(f"the step-time profile saved for {model!r} on this machine was fitted by an earlier calibration",
+              file=sys.stderr)
     if Path(model).is_file():
         raise FileNotFoundError(f"no step-time profile for {model!r} on this machine, and a config.json has no weights "
                                 f"to calibrate one: give the checkpoint folder, or --profile FILE (`jitney calibrate "
                                 f"--analytic` writes one from hardware figures)")
-    print(f"no step-time profile for {model!r} on this machine: calibrating it now (once; ~{CALIBRATION_S} s for "
-          f"SmolLM2-135M on 2 CPU cores)", file=sys.stderr)
+    print(f"no current step-time profile for {model!r} on this machine: calibrating it now (once; ~{CALIBRATION_S} s "
+          f"for SmolLM2-135M on 2 CPU cores)", file=sys.stderr)
     profile = calibrate_model(model)
     why = refusal(profile)
     if why:
@@ -240,10 +270,14 @@ class StepRecorder:
         executor.forward = self
 
     def __call__(self, prepared, started):
+        d = self.executor.decoder  # (the one-call decoder's screen rests through whole greedy steps)
+        resting = (d is not None and d.screened and d.native.screen_rest[0] > 0 and bool(prepared.sampled_entries)
+                   and all(s.greedy for s in prepared.params))
         t = time.perf_counter()
         result = self.forward(prepared, started)
         self.seconds.append(time.perf_counter() - t)
-        self.shapes.append(features(prepared.step, len(prepared.params), prepared.speculate, prepared.proposals))
+        self.shapes.append(features(prepared.step, len(prepared.params), prepared.speculate, prepared.proposals,
+                                    resting))
         for i in prepared.sampled_entries if prepared.speculate or prepared.proposals else ():
             taken = len(result[i]) - 1
             offered = len(prepared.proposals[i]) if prepared.proposals else prepared.speculate
@@ -270,7 +304,8 @@ def calibration_workloads(vocab: int) -> list[list[tuple[list[int], int]]]:
 
 def calibrate(model, tokenizer, model_name: str, progress: bool = False, **config_fields) -> StepProfile:
     """Time real steps of `calibration_workloads` through the engine (no speculation), and of chat requests
-    with the engine's own speculation where it speculates, and fit a profile. `progress`: a bar of the
+    with the engine's own speculation where it speculates, all without prompt lookup (`CALIBRATION`), and fit a
+    profile. `progress`: a bar of the
     requests' tokens (prompt and output) served."""
     from tqdm import tqdm
 
@@ -288,7 +323,7 @@ def calibrate(model, tokenizer, model_name: str, progress: bool = False, **confi
                disable=not progress, leave=False)
     for work, speculate in plan:
         blocks = sum(-(-(len(p) + n) // 16) for p, n in work) + 8
-        config = EngineConfig(**{"num_blocks": blocks, "speculative_tokens": speculate,
+        config = EngineConfig(**{"num_blocks": blocks, "speculative_tokens": speculate, "lookup_tokens": 0,
                                  "max_requests_per_batch": max(64, len(work)), **config_fields})
         engine = Engine(model, tokenizer, config)
         recorder = StepRecorder(engine.executor)
@@ -312,7 +347,7 @@ def calibrate(model, tokenizer, model_name: str, progress: bool = False, **confi
     # seen is accepted / (accepted + rejections), a row's run ending at its first rejection or at k.
     predicted = [max(0.0, float(np.dot(coefficients, s))) for s in shapes]
     errors = [abs(p - y) / y for p, y in zip(predicted, seconds) if y > 0]
-    return StepProfile(model=model_name, machine=machine_tag(), coefficients=coefficients,
+    return StepProfile(model=model_name, machine=machine_tag(), coefficients=coefficients, calibration=CALIBRATION,
                        fit_error=round(sum(errors) / len(errors), 4),
                        total_error=round(sum(predicted) / sum(seconds) - 1, 4), steps=len(shapes),
                        acceptance=round(accepted / (accepted + rejected), 4) if accepted + rejected else None)

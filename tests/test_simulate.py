@@ -465,6 +465,7 @@ def test_calibration_refuses_a_noisy_fit_and_keeps_a_better_profile(tiny_config,
     good, fine = replace(SHAPED, fit_error=0.04, steps=500), replace(SHAPED, fit_error=0.06, steps=500)
     assert "already saved fits better (4.0% a step against 6.0%)" in profile.refusal(fine, good)
     assert profile.refusal(good, fine) is None
+    assert profile.refusal(replace(fine, calibration=profile.CALIBRATION), replace(good, calibration=1)) is None
 
     out = tmp_path / "p.json"
     for fitted, code, kept in ((good, 0, good), (noisy, 1, good), (fine, 1, good), (fine, 0, fine)):
@@ -480,3 +481,46 @@ def test_calibration_refuses_a_noisy_fit_and_keeps_a_better_profile(tiny_config,
     assert "the calibration just run is not kept" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError):
         load_profile(None, str(tiny_config.parent))
+
+
+def test_a_profile_from_an_earlier_calibration_is_calibrated_again(tiny_config, tmp_path, monkeypatch, capsys):
+    from msgspec.structs import replace
+
+    from jitney.bench import profile
+    from jitney.cli import main
+
+    monkeypatch.setenv("JITNEY_HOME", str(tmp_path))
+    checkpoint = str(tiny_config.parent)
+    profile.save_profile(replace(SHAPED, steps=400, calibration=1), profile.profile_path(checkpoint))
+    fitted = replace(SHAPED, steps=450, calibration=profile.CALIBRATION)
+    monkeypatch.setattr(profile, "calibrate_model", lambda model: fitted)
+    assert main(["simulate", "--model", checkpoint, "--workload", "mixed-16"]) == 0
+    assert "fitted by an earlier calibration" in capsys.readouterr().err
+    assert load_profile(None, checkpoint) == fitted  # (in its place)
+
+
+def test_the_screens_rests_are_recorded_and_fitted_apart():
+    """A step whose greedy rows took every logit while the LM head's screen rested carries `screen_resting`, and the
+    fit gives that its own cost, apart from the step's and the rows' (a flat head misses the screen: it rests)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from jitney.bench.profile import FEATURES, StepRecorder, fit_in_two
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
+                                         eos_token_id=None, pad_token_id=0)).eval()
+    with torch.no_grad():  # (every feature's int8 copy the same: no row can be screened, test_head_screen.py)
+        model.lm_head.weight.copy_(model.lm_head.weight[0] + torch.randn(8192, 64) * 1e-7)
+    config = EngineConfig(block_size=4, num_blocks=128, speculative_tokens=0, lookup_tokens=0)
+    engine = Engine(model, config=config)
+    recorder = StepRecorder(engine.executor)
+    serve_all(engine, [Arrival([5 + i, 6, 7, 8], 40) for i in range(8)])
+    resting = FEATURES.index("screen_resting")
+    rests = [shape for shape in recorder.shapes if shape[resting]]
+    assert rests and len(rests) < len(recorder.shapes)  # (the first 128 rows through the screen, then rests)
+    assert all(shape[FEATURES.index("sampled_rows")] for shape in rests)
+    truth = [2e-3, 1e-5, 3e-5, 1e-4, 0, 1e-2, 0, 0, 0, 5e-3]
+    seconds = [sum(c * x for c, x in zip(truth, shape)) for shape in recorder.shapes]
+    assert fit_in_two(recorder.shapes, seconds)[resting] == pytest.approx(5e-3, rel=0.05)
