@@ -103,10 +103,10 @@ class StepProfile(msgspec.Struct, frozen=True):
                 f"total, over {self.steps} steps{drafts}")
 
 
-CALIBRATION = 2
+CALIBRATION = 3
 """What `calibrate` measures, by version. 2: every step with prompt lookup off, as a simulation has it (at 1 the grid's
 decode steps of many rows were nearly all lookup's checking passes, priced on the same features as the plain decode
-steps a simulation takes), and the screen's rests a feature of their own. A machine's saved profile from an
+steps a simulation takes), and the screen's rests a feature of their own. 3: each workload in a fresh process. A machine's saved profile from an
 earlier version is calibrated again on first use, and a new calibration replaces it whatever their fit errors."""
 
 MAX_FIT_ERROR = 0.10
@@ -197,7 +197,7 @@ def profile_path(model: str) -> Path:
     return cache_dir() / "profiles" / f"{Path(model).name or 'model'}-{key}.json"
 
 
-CALIBRATION_S = 100
+CALIBRATION_S = 135
 """About how long `calibrate` takes for SmolLM2-135M on a 2-core CPU (said before a first-use calibration)."""
 
 
@@ -302,14 +302,18 @@ def calibration_workloads(vocab: int) -> list[list[tuple[list[int], int]]]:
             requests(64, (16, 256), 24), requests(64, (300, 600), 12), requests(4, (900, 1500), 8), sharing]
 
 
-def calibrate(model, tokenizer, model_name: str, progress: bool = False, **config_fields) -> StepProfile:
+def calibrate(model, tokenizer, model_name: str, progress: bool = False, apart: bool = True,
+              **config_fields) -> StepProfile:
     """Time real steps of `calibration_workloads` through the engine (no speculation), and of chat requests
     with the engine's own speculation where it speculates, all without prompt lookup (`CALIBRATION`), and fit a
-    profile. `progress`: a bar of the
-    requests' tokens (prompt and output) served."""
+    profile. `progress`: a bar of the requests' tokens (prompt and output) served. `apart`: each workload's engine
+    in a fresh process that loads `model_name` itself, as `jitney bench` runs each of jitney's runs: engines after
+    the first in one process decoded 4 rows 13-23% slower (a median of 20.8-22.6 ms a step against the first's 18.4,
+    eight engines one after another; Zen 4, SmolLM2), so a calibration in one process priced decode steps above a
+    served run's."""
     from tqdm import tqdm
 
-    from jitney import Engine, EngineConfig, Request, SamplingParams
+    from jitney.bench.isolation import run_in_child
     from jitney.bench.workloads import chat
 
     shapes, seconds = [], []
@@ -322,25 +326,13 @@ def calibrate(model, tokenizer, model_name: str, progress: bool = False, **confi
     bar = tqdm(total=sum(len(p) + n for work, _ in plan for p, n in work), desc="calibrating", unit="tok",
                disable=not progress, leave=False)
     for work, speculate in plan:
-        blocks = sum(-(-(len(p) + n) // 16) for p, n in work) + 8
-        config = EngineConfig(**{"num_blocks": blocks, "speculative_tokens": speculate, "lookup_tokens": 0,
-                                 "max_requests_per_batch": max(64, len(work)), **config_fields})
-        engine = Engine(model, tokenizer, config)
-        recorder = StepRecorder(engine.executor)
-
-        async def one(engine, prompt: list[int], n: int) -> None:
-            await engine.generate(Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)))
-            bar.update(len(prompt) + n)
-
-        async def main(engine=engine, work=work) -> None:
-            async with engine, anyio.create_task_group() as tg:
-                for prompt, n in work:
-                    tg.start_soon(one, engine, prompt, n)
-
-        anyio.run(main)
-        shapes += recorder.shapes[1:]  # (the first step of each engine pays for warming up)
-        seconds += recorder.seconds[1:]
-        accepted, rejected = accepted + recorder.accepted, rejected + recorder.rejected
+        if apart:
+            timed, _ = run_in_child(time_workload, None, None, model_name, work, speculate, config_fields)
+        else:
+            timed = time_workload(model, tokenizer, model_name, work, speculate, config_fields)
+        shapes, seconds = shapes + timed[0], seconds + timed[1]
+        accepted, rejected = accepted + timed[2], rejected + timed[3]
+        bar.update(sum(len(p) + n for p, n in work))
     bar.close()
     coefficients = fit_in_two(shapes, seconds)
     # Each proposal accepted with one chance p, independently: p's maximum-likelihood estimate over the rows
@@ -351,6 +343,32 @@ def calibrate(model, tokenizer, model_name: str, progress: bool = False, **confi
                        fit_error=round(sum(errors) / len(errors), 4),
                        total_error=round(sum(predicted) / sum(seconds) - 1, 4), steps=len(shapes),
                        acceptance=round(accepted / (accepted + rejected), 4) if accepted + rejected else None)
+
+
+def time_workload(model, tokenizer, model_name: str, work: list[tuple[list[int], int]], speculate: int | None,
+                  config_fields: dict) -> tuple[list[list[float]], list[float], int, int]:
+    """One calibration workload through an engine of its own: each step's shape and seconds (the first step aside:
+    it pays for warming up), and the draft's proposals accepted and rejected. `model` None: `model_name` loaded
+    here (in a child process)."""
+    from jitney import Engine, EngineConfig, Request, SamplingParams
+
+    if model is None:
+        from jitney.core.models import load_model
+
+        model, tokenizer = load_model(model_name)
+    blocks = sum(-(-(len(p) + n) // 16) for p, n in work) + 8
+    config = EngineConfig(**{"num_blocks": blocks, "speculative_tokens": speculate, "lookup_tokens": 0,
+                             "max_requests_per_batch": max(64, len(work)), **config_fields})
+    engine = Engine(model, tokenizer, config)
+    recorder = StepRecorder(engine.executor)
+
+    async def main() -> None:
+        async with engine, anyio.create_task_group() as tg:
+            for prompt, n in work:
+                tg.start_soon(engine.generate, Request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)))
+
+    anyio.run(main)
+    return recorder.shapes[1:], recorder.seconds[1:], recorder.accepted, recorder.rejected
 
 
 def host_overhead(model) -> tuple[float, float]:

@@ -524,3 +524,20 @@ def test_the_screens_rests_are_recorded_and_fitted_apart():
     truth = [2e-3, 1e-5, 3e-5, 1e-4, 0, 1e-2, 0, 0, 0, 5e-3]
     seconds = [sum(c * x for c, x in zip(truth, shape)) for shape in recorder.shapes]
     assert fit_in_two(recorder.shapes, seconds)[resting] == pytest.approx(5e-3, rel=0.05)
+
+
+def test_a_calibration_workload_is_timed_without_prompt_lookup_and_in_a_process_of_its_own():
+    """`time_workload`, as `calibrate` runs each workload: plain decode steps (a random model's replies repeat, so
+    lookup would have checked guesses, as it did in the calibrations before), the first step left out; and the same
+    in a spawned child, which `calibrate` uses so that each workload's engine is the first in its process."""
+    from jitney.bench.isolation import run_in_child
+    from jitney.bench.profile import FEATURES, time_workload
+
+    work = [([5 + i, 6, 7, 8], 24) for i in range(4)]
+    query, sampled = FEATURES.index("query_tokens"), FEATURES.index("sampled_rows")
+    for timed in (time_workload(tiny_llama(), None, "tiny", work, 0, {}),
+                  run_in_child(time_workload, tiny_llama(), None, "tiny", work, 0, {})[0]):
+        shapes, seconds, accepted, rejected = timed
+        assert len(shapes) == len(seconds) >= 23 and accepted == rejected == 0
+        decodes = [s for s in shapes if s[query] == s[sampled]]
+        assert decodes and all(s[query] <= len(work) for s in decodes)  # (one token a row: no guesses checked)
