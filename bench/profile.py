@@ -31,7 +31,7 @@ row's token and its k proposals: that pass's shape fills the first features, the
 whose rows come with prompt-lookup guesses (`FusedDecoder.check`) is that checking pass alone. `screen_resting` is 1
 for a step whose greedy rows took every logit of the LM head because its screen was resting (`HeadScreen` in
 `kernels/cpu/head_screen.h`: after a window of rows that mostly missed it, as the first tokens after random prompts
-do), where a screened step reads a quarter of the head's bytes: 2.1 and 5.5 ms a step of SmolLM2's in two
+do), where a screened step reads a quarter of the head's bytes: 0.3-5.5 ms a step of SmolLM2's in six
 calibrations on a Zen 4. A simulation takes the screen as on (it has no logits to tell a miss), as it is through a
 served run of longer replies; a calibration's short replies after random prompts rest it for a quarter of their
 steps."""
@@ -106,8 +106,9 @@ class StepProfile(msgspec.Struct, frozen=True):
 CALIBRATION = 3
 """What `calibrate` measures, by version. 2: every step with prompt lookup off, as a simulation has it (at 1 the grid's
 decode steps of many rows were nearly all lookup's checking passes, priced on the same features as the plain decode
-steps a simulation takes), and the screen's rests a feature of their own. 3: each workload in a fresh process. A machine's saved profile from an
-earlier version is calibrated again on first use, and a new calibration replaces it whatever their fit errors."""
+steps a simulation takes), and the screen's rests a feature of their own. 3: each workload in a fresh process. A
+machine's saved profile from an earlier version is calibrated again on first use, and a new calibration replaces it
+whatever their fit errors."""
 
 MAX_FIT_ERROR = 0.10
 """A fitted profile whose mean error a step is above this is not saved: a quiet 2-core machine fits SmolLM2 within
@@ -353,8 +354,11 @@ def time_workload(model, tokenizer, model_name: str, work: list[tuple[list[int],
     from jitney import Engine, EngineConfig, Request, SamplingParams
 
     if model is None:
+        from transformers.utils import logging as transformers_logging
+
         from jitney.core.models import load_model
 
+        transformers_logging.disable_progress_bar()  # (a child's loading bar would cut across the calibration's)
         model, tokenizer = load_model(model_name)
     blocks = sum(-(-(len(p) + n) // 16) for p, n in work) + 8
     config = EngineConfig(**{"num_blocks": blocks, "speculative_tokens": speculate, "lookup_tokens": 0,
