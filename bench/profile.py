@@ -244,11 +244,12 @@ def profile_for(path: str | None, model: str, calibrate_missing: bool = True) ->
 
 
 def calibrate_model(model: str, progress: bool = True) -> StepProfile:
-    """`calibrate` "smollm2" or the checkpoint folder `model`, loaded here (its weights are run)."""
-    from jitney.core.models import load_model
+    """`calibrate` "smollm2" or the checkpoint folder `model` (its weights are run, each workload's process loading
+    them itself: this one holds its architecture and tokenizer alone)."""
+    from jitney.bench.simulate import meta_model
+    from jitney.core.models import load_tokenizer
 
-    loaded, tokenizer = load_model(model)
-    return calibrate(loaded, tokenizer, model, progress=progress)
+    return calibrate(meta_model(model), load_tokenizer(model), model, progress=progress)
 
 
 def save_profile(profile: StepProfile, out: Path) -> None:
@@ -303,15 +304,14 @@ def calibration_workloads(vocab: int) -> list[list[tuple[list[int], int]]]:
             requests(64, (16, 256), 24), requests(64, (300, 600), 12), requests(4, (900, 1500), 8), sharing]
 
 
-def calibrate(model, tokenizer, model_name: str, progress: bool = False, apart: bool = True,
-              **config_fields) -> StepProfile:
+def calibrate(model, tokenizer, model_name: str, progress: bool = False, **config_fields) -> StepProfile:
     """Time real steps of `calibration_workloads` through the engine (no speculation), and of chat requests
     with the engine's own speculation where it speculates, all without prompt lookup (`CALIBRATION`), and fit a
-    profile. `progress`: a bar of the requests' tokens (prompt and output) served. `apart`: each workload's engine
-    in a fresh process that loads `model_name` itself, as `jitney bench` runs each of jitney's runs: engines after
-    the first in one process decoded 4 rows 13-23% slower (a median of 20.8-22.6 ms a step against the first's 18.4,
-    eight engines one after another; Zen 4, SmolLM2), so a calibration in one process priced decode steps above a
-    served run's."""
+    profile. `progress`: a bar of the requests' tokens (prompt and output) served. `model`: its architecture (a
+    meta model will do): each workload's engine runs in a fresh process that loads `model_name` itself, as `jitney
+    bench` runs each of jitney's runs: engines after the first in one process decoded 4 rows 13-23% slower (a median
+    of 20.8-22.6 ms a step against the first's 18.4, eight engines one after another; Zen 4, SmolLM2), so a
+    calibration in one process priced decode steps above a served run's."""
     from tqdm import tqdm
 
     from jitney.bench.isolation import run_in_child
@@ -327,10 +327,7 @@ def calibrate(model, tokenizer, model_name: str, progress: bool = False, apart: 
     bar = tqdm(total=sum(len(p) + n for work, _ in plan for p, n in work), desc="calibrating", unit="tok",
                disable=not progress, leave=False)
     for work, speculate in plan:
-        if apart:
-            timed, _ = run_in_child(time_workload, None, None, model_name, work, speculate, config_fields)
-        else:
-            timed = time_workload(model, tokenizer, model_name, work, speculate, config_fields)
+        timed, _ = run_in_child(time_workload, None, None, model_name, work, speculate, config_fields)
         shapes, seconds = shapes + timed[0], seconds + timed[1]
         accepted, rejected = accepted + timed[2], rejected + timed[3]
         bar.update(sum(len(p) + n for p, n in work))

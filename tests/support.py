@@ -39,6 +39,18 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def flat_head_llama() -> LlamaForCausalLM:
+    """A tiny Llama of 8,192 tokens whose LM head rows are all but equal: every feature's int8 copy the same, so no
+    row can be screened (more than 4,096 candidates), each takes every logit, and the decoder's screen rests."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
+                                         eos_token_id=None, pad_token_id=0)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.lm_head.weight[0] + torch.randn(8192, 64) * 1e-7)
+    return model
+
+
 def tiny_mistral(seed: int = 0, window: int = 8) -> MistralForCausalLM:
     torch.manual_seed(seed)
     config = MistralConfig(

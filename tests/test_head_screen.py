@@ -7,7 +7,8 @@ import json
 
 import pytest
 import torch
-from support import engine_tokens, random_requests, reference, tiny_gemma2_capped, tiny_granite, tiny_llama
+from support import (engine_tokens, flat_head_llama, random_requests, reference, tiny_gemma2_capped, tiny_granite,
+                     tiny_llama)
 
 from jitney.cli import main as cli
 from jitney.kernels import cpu_layers, cpu_linear, native
@@ -151,18 +152,11 @@ async def test_flat_logits_take_every_logit_and_the_same_tokens(monkeypatch):
     # a head whose logits are all but equal: no row can be screened (more than 4,096 candidates), so each takes
     # every logit, and after 128 such rows the decoder leaves the screen alone for a while (16 steps, twice as
     # many after each window of rows that missed again): tokens unchanged
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     decoders = []
     real = cpu_layers.FusedDecoder.__init__
     monkeypatch.setattr(cpu_layers.FusedDecoder, "__init__", lambda self, *a, **kw: real(self, *a, **kw) or decoders.append(self))
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
-                                         eos_token_id=None, pad_token_id=0)).eval()
-    with torch.no_grad():  # every feature's int8 copy the same
-        model.lm_head.weight.copy_(model.lm_head.weight[0] + torch.randn(8192, 64) * 1e-7)
+    model = flat_head_llama()
     work = random_requests(10, 8192, max_prompt=20, max_new=80, seed=6)
     assert await engine_tokens(model, work) == await engine_tokens(model, work, lm_head_screen=False)
     _, rest = decoders[0].native.screen_rest

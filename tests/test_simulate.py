@@ -8,7 +8,7 @@ import random
 import anyio
 import msgspec
 import pytest
-from support import tiny_llama
+from support import flat_head_llama, tiny_llama
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
 from jitney.bench.profile import StepProfile, fit, load_profile
@@ -502,19 +502,10 @@ def test_a_profile_from_an_earlier_calibration_is_calibrated_again(tiny_config, 
 def test_the_screens_rests_are_recorded_and_fitted_apart():
     """A step whose greedy rows took every logit while the LM head's screen rested carries `screen_resting`, and the
     fit gives that its own cost, apart from the step's and the rows' (a flat head misses the screen: it rests)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from jitney.bench.profile import FEATURES, StepRecorder, fit_in_two
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
-                                         eos_token_id=None, pad_token_id=0)).eval()
-    with torch.no_grad():  # (every feature's int8 copy the same: no row can be screened, test_head_screen.py)
-        model.lm_head.weight.copy_(model.lm_head.weight[0] + torch.randn(8192, 64) * 1e-7)
     config = EngineConfig(block_size=4, num_blocks=128, speculative_tokens=0, lookup_tokens=0)
-    engine = Engine(model, config=config)
+    engine = Engine(flat_head_llama(), config=config)
     recorder = StepRecorder(engine.executor)
     serve_all(engine, [Arrival([5 + i, 6, 7, 8], 40) for i in range(8)])
     resting = FEATURES.index("screen_resting")
