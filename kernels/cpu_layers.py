@@ -232,11 +232,14 @@ class FusedLayers:
         for layer in self.model.modules():
             if supported(layer):
                 packs[layer] = _LayerLinears(layer, self.quantized, self.compute, self.store)
+                given_up = []
                 for linears, packed in zip(_groups(layer), packs[layer].linears) if self.release else ():
-                    if cpu_linear.release(linears, packed, keep):
+                    if spans := cpu_linear.release(linears, packed, keep):
                         self.released.append((linears, packed))
-                if self.release:
-                    cpu_linear.trim()  # (a layer's weights given up: their pages too)
+                        given_up += spans
+                if self.release:  # (a layer's weights given up: their pages too)
+                    cpu_linear.trim()
+                    cpu_linear.page_out(given_up)
                 self.tensors += packs[layer].tensors
                 layer.forward = _fused_forward(layer, packs[layer], kernels)
                 self.patched.append(layer)
@@ -255,6 +258,8 @@ class FusedLayers:
         self.decoder, self.tensors = None, []  # (their references to the packed copies, which `restore` gives up)
         for linears, packed in self.released:
             cpu_linear.restore(linears, packed)
+        if self.released:
+            cpu_linear.trim()  # (the packed copies' pages the C library kept)
         for module in self.patched:
             del module.forward  # back to the class's forward
         self.patched, self.released, self.linears, self.decoder, self.tensors = [], [], set(), None, []

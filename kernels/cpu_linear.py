@@ -16,6 +16,8 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import mmap
+import re
 
 import torch
 import torch.nn.functional as F
@@ -91,9 +93,10 @@ class PackedLinears:
             module.forward = linear if w.dtype == torch.float32 else _widened(linear)
             self.tensors += linear.tensors
             self.patched.append(module)
-            if self.release and release([module], linear, keep):
+            if self.release and (spans := release([module], linear, keep)):
                 self.released.append((module, linear))
                 trim()
+                page_out(spans)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -212,15 +215,17 @@ def shared(model: nn.Module) -> set[int]:
     return {i for i, n in counts.items() if n > 1}
 
 
-def release(linears: list[nn.Linear], packed, keep: set[int]) -> bool:
+def release(linears: list[nn.Linear], packed, keep: set[int]) -> list[tuple[int, int]]:
     """Give the weights of `linears` (which `packed` computes as one) up to `packed`, where it holds them `exact`ly
     and none is in `keep` (ids, `shared`): each becomes an empty tensor, so that a forward still reading it fails
-    loudly rather than silently, until `restore` unpacks it. Whether it did."""
+    loudly rather than silently, until `restore` unpacks it. Where the weights were (address, bytes: `page_out`);
+    none where it gave nothing up."""
     if not isinstance(packed, PanelLinear) or not packed.exact or any(id(m.weight) in keep for m in linears):
-        return False
+        return []
+    spans = [(m.weight.data_ptr(), m.weight.nbytes) for m in linears]
     for m in linears:
         m.weight.data = m.weight.data.new_empty(0)
-    return True
+    return spans
 
 
 @functools.cache
@@ -237,6 +242,39 @@ def trim() -> None:
     held ~0.4 GiB more without this)."""
     if (malloc_trim := _malloc_trim()) is not None:
         malloc_trim(0)
+
+
+MADV_PAGEOUT = 21  # (Linux 5.4 on)
+_FILE_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ [1-9][0-9]* +/", re.MULTILINE)
+
+
+def page_out(spans: list[tuple[int, int]]) -> None:
+    """Drop from this process's memory the pages of `spans` (address, bytes) that lie in a file's mapping. A
+    checkpoint's weights are mapped from its safetensors file (transformers' loading), and a weight given up
+    (`release`) frees none of it while any tensor of that file lives (the embedding): the pages its packing read
+    stayed resident, the model's size over its packed copies (SmolLM2 in fp32: 513 MiB). `MADV_PAGEOUT` loses
+    nothing: a page read again comes back from the file. The pages leave the OS's file cache too, so a later start
+    that packs from the checkpoint again reads it from the disk (one that maps its packed copies, `packed_cache`,
+    reads none of it). Nothing where the OS has no /proc or no such advice."""
+    if not spans:
+        return
+    try:
+        with open("/proc/self/maps") as maps:  # (the ranges mapped from a file: those of a non-zero inode)
+            files = [(int(low, 16), int(high, 16)) for low, high in _FILE_MAPPING.findall(maps.read())]
+    except OSError:
+        return
+    page = mmap.PAGESIZE
+    for address, size in spans:
+        start, end = -(-address // page) * page, (address + size) // page * page  # (whole pages inside it only)
+        if end > start and any(low <= start and end <= high for low, high in files):
+            _madvise()(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT)
+
+
+@functools.cache
+def _madvise():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
 
 
 def released(m: nn.Linear) -> bool:

@@ -4,12 +4,15 @@ copies, the draft and the screen only where they are built, the KV cache reserve
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
 from support import tiny_llama
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from jitney import Engine, EngineConfig, Request, SamplingParams
+from jitney.core.models import load_model
 from jitney.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the packed parts need jitney's C++ kernels")
@@ -107,3 +110,42 @@ def test_a_half_precision_checkpoint_too_large_to_widen_loads_as_it_is(tmp_path,
         assert {p.dtype for p in load_model(tmp_path)[0].parameters()} == {torch.bfloat16}
     assert "would not fit" in caplog.text
     assert {p.dtype for p in load_model(tmp_path, dtype=torch.float32)[0].parameters()} == {torch.float32}
+
+
+def resident(path) -> int:
+    """Bytes of `path`'s mappings resident in this process (/proc/self/smaps)."""
+    total, ours = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line
+                ours = len(fields) > 5 and fields[5] == str(path)
+            elif ours and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the mappings' resident pages from /proc")
+async def test_weights_given_up_leave_the_checkpoints_mapping(tmp_path):
+    """A checkpoint's weights are mapped from its file: a weight given up to its packed copy frees none of it while
+    the embedding holds the file, so the pages its packing read are paged out; exit puts the weights back bit for
+    bit, the file's pages not read again."""
+    torch.manual_seed(0)
+    shaped = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
+                                          eos_token_id=None, pad_token_id=0)).eval()
+    shaped.save_pretrained(tmp_path)
+    checkpoint = tmp_path / "model.safetensors"
+    model, _ = load_model(tmp_path)
+    layers = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    given_up = sum(m.weight.nbytes for m in layers)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}  # (every page of the file read)
+    assert resident(checkpoint) >= given_up  # (a mapping of the file: else this tests nothing)
+    async with Engine(model, config=EngineConfig(num_blocks=64, block_size=4)) as engine:
+        assert all(m.weight.numel() == 0 for m in layers)
+        assert resident(checkpoint) < given_up / 10  # (the embedding, the head, the norms and the pages beside them)
+        async with engine.stream(Request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=4))) as stream:
+            assert len([t async for t in stream]) == 4
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert resident(checkpoint) < given_up / 10
