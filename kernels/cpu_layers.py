@@ -194,7 +194,8 @@ class FusedLayers:
     the layers' linears (not the LM head) compute in bf16 (`cpu_linear.PanelLinear(compute=...)`); `release`: the
     layers' packed copies hold their weights instead of the model where they hold them exactly, each layer's given up
     as soon as it is packed (so that packing never holds two copies of the whole model), put back on exit
-    (`cpu_linear.release`, `restore`); the LM head's stays (its screen and the draft read it). `store`
+    (`cpu_linear.release`, `restore`; a checkpoint's weights mapped from its file kept, paged out, and put back as
+    they were: `kept_if_mapped`); the LM head's stays (its screen and the draft read it). `store`
     (`stored.PackedStore`): packed copies (the draft's too) mapped from files an earlier start wrote, else kept there to
     be written."""
 
@@ -206,7 +207,7 @@ class FusedLayers:
         self.compute = compute
         self.screen = screen
         self.release = release
-        self.released: list[tuple[list[nn.Linear], cpu_linear.PanelLinear]] = []
+        self.released: list[tuple[list[nn.Linear], cpu_linear.PanelLinear, list[torch.Tensor] | None]] = []
         self.patched: list[nn.Module] = []
         self.linears: set[nn.Linear] = set()
         """The linear layers computed here (`PackedLinears` can skip them)."""
@@ -232,14 +233,11 @@ class FusedLayers:
         for layer in self.model.modules():
             if supported(layer):
                 packs[layer] = _LayerLinears(layer, self.quantized, self.compute, self.store)
-                given_up = []
-                for linears, packed in zip(_groups(layer), packs[layer].linears) if self.release else ():
-                    if spans := cpu_linear.release(linears, packed, keep):
-                        self.released.append((linears, packed))
-                        given_up += spans
-                if self.release:  # (a layer's weights given up: their pages too)
+                if self.release:  # (a layer's weights given up: kept where a file's mapping holds them, else freed)
+                    given_up = ((linears, packed, cpu_linear.release(linears, packed, keep))
+                                for linears, packed in zip(_groups(layer), packs[layer].linears))
+                    self.released += cpu_linear.kept_if_mapped([g for g in given_up if g[2]])
                     cpu_linear.trim()
-                    cpu_linear.page_out(given_up)
                 self.tensors += packs[layer].tensors
                 layer.forward = _fused_forward(layer, packs[layer], kernels)
                 self.patched.append(layer)
@@ -256,8 +254,8 @@ class FusedLayers:
 
     def __exit__(self, *exc_info) -> None:
         self.decoder, self.tensors = None, []  # (their references to the packed copies, which `restore` gives up)
-        for linears, packed in self.released:
-            cpu_linear.restore(linears, packed)
+        for linears, packed, weights in self.released:
+            cpu_linear.restore(linears, packed, weights)
         if self.released:
             cpu_linear.trim()  # (the packed copies' pages the C library kept)
         for module in self.patched:

@@ -60,7 +60,7 @@ class PackedLinears:
         self.compute = compute
         self.release = release
         self.patched: list[nn.Linear] = []
-        self.released: list[tuple[nn.Linear, PanelLinear]] = []
+        self.released: list[tuple[nn.Linear, PanelLinear, list[torch.Tensor] | None]] = []
         self.tensors: list[torch.Tensor] = []
         """The packed copies it made (`core.memory`)."""
 
@@ -93,16 +93,16 @@ class PackedLinears:
             module.forward = linear if w.dtype == torch.float32 else _widened(linear)
             self.tensors += linear.tensors
             self.patched.append(module)
-            if self.release and (spans := release([module], linear, keep)):
-                self.released.append((module, linear))
+            if self.release and (weights := release([module], linear, keep)):
+                self.released += kept_if_mapped([(module, linear, weights)])
+                del weights  # (freed before the trim, unless kept)
                 trim()
-                page_out(spans)
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.tensors = []
-        for module, linear in self.released:
-            restore([module], linear)
+        for module, linear, weights in self.released:
+            restore([module], linear, weights)
         for module in self.patched:
             del module.forward  # back to nn.Linear.forward
         self.patched, self.released = [], []
@@ -215,17 +215,25 @@ def shared(model: nn.Module) -> set[int]:
     return {i for i, n in counts.items() if n > 1}
 
 
-def release(linears: list[nn.Linear], packed, keep: set[int]) -> list[tuple[int, int]]:
+def release(linears: list[nn.Linear], packed, keep: set[int]) -> list[torch.Tensor]:
     """Give the weights of `linears` (which `packed` computes as one) up to `packed`, where it holds them `exact`ly
     and none is in `keep` (ids, `shared`): each becomes an empty tensor, so that a forward still reading it fails
-    loudly rather than silently, until `restore` unpacks it. Where the weights were (address, bytes: `page_out`);
-    none where it gave nothing up."""
+    loudly rather than silently, until `restore` puts it back. The weights as they were (`kept_if_mapped` decides
+    which to hold on to); none where it gave nothing up."""
     if not isinstance(packed, PanelLinear) or not packed.exact or any(id(m.weight) in keep for m in linears):
         return []
-    spans = [(m.weight.data_ptr(), m.weight.nbytes) for m in linears]
+    weights = [m.weight.data for m in linears]
     for m in linears:
         m.weight.data = m.weight.data.new_empty(0)
-    return spans
+    return weights
+
+
+def kept_if_mapped(released: list[tuple]) -> list[tuple]:
+    """`released`, tuples whose last item is the weights `release` gave up, with those weights kept where every one
+    lies in a file's mapping (`page_out`: they cost no memory while an engine runs, and `restore` puts the very
+    tensors back instead of unpacking the packed copy into fresh pages), else None (theirs to free now)."""
+    flags = iter(page_out([w for *_, weights in released for w in weights]))
+    return [(*head, weights if all([next(flags) for _ in weights]) else None) for *head, weights in released]
 
 
 @functools.cache
@@ -248,26 +256,29 @@ MADV_PAGEOUT = 21  # (Linux 5.4 on)
 _FILE_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ [1-9][0-9]* +/", re.MULTILINE)
 
 
-def page_out(spans: list[tuple[int, int]]) -> None:
-    """Drop from this process's memory the pages of `spans` (address, bytes) that lie in a file's mapping. A
+def page_out(weights: list[torch.Tensor]) -> list[bool]:
+    """Drop from this process's memory the pages of `weights` that lie in a file's mapping; whether each does. A
     checkpoint's weights are mapped from its safetensors file (transformers' loading), and a weight given up
     (`release`) frees none of it while any tensor of that file lives (the embedding): the pages its packing read
     stayed resident, the model's size over its packed copies (SmolLM2 in fp32: 513 MiB). `MADV_PAGEOUT` loses
     nothing: a page read again comes back from the file. The pages leave the OS's file cache too, so a later start
     that packs from the checkpoint again reads it from the disk (one that maps its packed copies, `packed_cache`,
-    reads none of it). Nothing where the OS has no /proc or no such advice."""
-    if not spans:
-        return
+    reads none of it). All False where the OS has no /proc; where it has no such advice, the pages stay."""
+    if not weights:
+        return []
     try:
         with open("/proc/self/maps") as maps:  # (the ranges mapped from a file: those of a non-zero inode)
             files = [(int(low, 16), int(high, 16)) for low, high in _FILE_MAPPING.findall(maps.read())]
     except OSError:
-        return
-    page = mmap.PAGESIZE
-    for address, size in spans:
+        return [False] * len(weights)
+    page, inside = mmap.PAGESIZE, []
+    for w in weights:
+        address, size = w.data_ptr(), w.nbytes
+        inside.append(any(low <= address and address + size <= high for low, high in files))
         start, end = -(-address // page) * page, (address + size) // page * page  # (whole pages inside it only)
-        if end > start and any(low <= start and end <= high for low, high in files):
+        if inside[-1] and end > start:
             _madvise()(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT)
+    return inside
 
 
 @functools.cache
@@ -282,9 +293,15 @@ def released(m: nn.Linear) -> bool:
     return m.weight.numel() == 0 < m.in_features * m.out_features
 
 
-def restore(linears: list[nn.Linear], packed: PanelLinear) -> None:
-    """Each of `linears` its weight again, unpacked from `packed` (in its own type; a tensor of its own), which gives
-    its packed copy up (so that putting a model back holds one layer twice at most, not the whole model)."""
+def restore(linears: list[nn.Linear], packed: PanelLinear, weights: list[torch.Tensor] | None = None) -> None:
+    """Each of `linears` its weight again: `weights`, those `release` took, where they were kept (`kept_if_mapped`),
+    else unpacked from `packed` (in its own type; a tensor of its own). `packed` gives its packed copy up (so that
+    putting a model back holds one layer twice at most, not the whole model)."""
+    if weights is not None:
+        packed.packed = None
+        for m, w in zip(linears, weights):
+            m.weight.data = w
+        return
     stacked = packed.weight()
     packed.packed = None
     blocks = stacked.split([m.out_features for m in linears])

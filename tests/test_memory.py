@@ -128,8 +128,8 @@ def resident(path) -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the mappings' resident pages from /proc")
 async def test_weights_given_up_leave_the_checkpoints_mapping(tmp_path):
     """A checkpoint's weights are mapped from its file: a weight given up to its packed copy frees none of it while
-    the embedding holds the file, so the pages its packing read are paged out; exit puts the weights back bit for
-    bit, the file's pages not read again."""
+    the embedding holds the file, so the pages its packing read are paged out; exit puts the very tensors back
+    (nothing unpacked into fresh pages), their pages read again from the file as they are used."""
     torch.manual_seed(0)
     shaped = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
@@ -139,13 +139,32 @@ async def test_weights_given_up_leave_the_checkpoints_mapping(tmp_path):
     model, _ = load_model(tmp_path)
     layers = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
     given_up = sum(m.weight.nbytes for m in layers)
+    where = {name: p.data_ptr() for name, p in model.named_parameters()}
     before = {name: p.detach().clone() for name, p in model.named_parameters()}  # (every page of the file read)
     assert resident(checkpoint) >= given_up  # (a mapping of the file: else this tests nothing)
     async with Engine(model, config=EngineConfig(num_blocks=64, block_size=4)) as engine:
         assert all(m.weight.numel() == 0 for m in layers)
         assert resident(checkpoint) < given_up / 10  # (the embedding, the head, the norms and the pages beside them)
+        assert len(kept(engine)) == len(layers)
         async with engine.stream(Request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=4))) as stream:
             assert len([t async for t in stream]) == 4
-    for name, p in model.named_parameters():
-        assert torch.equal(p, before[name]), name
     assert resident(checkpoint) < given_up / 10
+    for name, p in model.named_parameters():
+        assert p.data_ptr() == where[name] and torch.equal(p, before[name]), name
+
+
+async def test_weights_not_mapped_from_a_file_are_unpacked_back():
+    """A model built in memory holds its weights on the heap: given up, they are freed, and exit unpacks them from
+    the packed copies into tensors of their own, bit for bit."""
+    model = tiny_llama()
+    layers = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    before = [m.weight.detach().clone() for m in layers]
+    async with Engine(model, config=EngineConfig(num_blocks=64, block_size=4)) as engine:
+        assert all(m.weight.numel() == 0 for m in layers)
+        assert kept(engine) == []  # (nothing held on to: the packed copies hold the weights alone)
+    assert all(torch.equal(m.weight, w) for m, w in zip(layers, before))
+
+
+def kept(engine) -> list:
+    """The given-up weights an entered engine holds on to (`cpu_linear.kept_if_mapped`)."""
+    return [w for path in engine._cpu_paths for *_, weights in getattr(path, "released", []) for w in weights or ()]
