@@ -283,7 +283,7 @@ def page_out(weights: list[torch.Tensor]) -> list[bool]:
 
 @functools.cache
 def _madvise():
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None)  # (its result is not read: where the advice is refused, the pages stay)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc.madvise
 
