@@ -184,7 +184,8 @@ def enter_cpu_paths(cfg: EngineConfig, model, store=None) -> list:
 
 
 BF16_UNITS = {"amx": "AMX-BF16 tiles", "avx512-bf16": "AVX512-BF16's vdpbf16ps",
-              "portable": "plain C++: this CPU has neither AMX-BF16 nor AVX512-BF16, or its OS does not allow them"}
+              "portable": "plain C++: this CPU has neither AMX-BF16 nor AVX512-BF16, or its OS does not allow them",
+              "amx-emulated": "AMX's code on tiles emulated in plain C++, for tests: slow"}
 """The units bf16 compute runs on (`bf16_unit` in `kernels/cpu/bf16.h`), in words."""
 
 

@@ -7,6 +7,7 @@ the configuration is refused where it cannot run."""
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 
 import pytest
@@ -23,11 +24,17 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="bf16 compute nee
 UNITS = ["portable", "avx512-bf16", "amx"]
 
 
+@functools.cache
+def best() -> str:
+    """The best unit this CPU (and its OS) offers: the one the kernels chose as they loaded (a test that sets another
+    sets it back after it)."""
+    return native.load().bf16_unit()
+
+
 def offered() -> list[str]:
-    """The units this CPU (and its OS) offers: the best one and every lesser one."""
-    kernels = native.load()
-    best = kernels.bf16_unit()
-    return UNITS[: UNITS.index(best) + 1]
+    """The units this CPU (and its OS) offers: the best one and every lesser one, and AMX's code on emulated tiles
+    (offered on every CPU)."""
+    return UNITS[: UNITS.index(best()) + 1] + ["amx-emulated"]
 
 
 @pytest.fixture
@@ -76,6 +83,33 @@ def test_each_unit_computes_the_gated_mlp(unit, activation):
         torch.testing.assert_close(layer(x), want.float(), atol=1e-3, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
+def tile_order(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """x @ w.T + b over x and w rounded to bf16, summed in fp32 as AMX's `tdpbf16ps` sums them by Intel's reference:
+    a step of 32 inputs at a time, within a step the products of even and of odd inputs summed apart, then the two
+    added, and that added to the sums so far (each product exact in fp32; each addition rounded)."""
+    x, w = x.to(torch.bfloat16).float(), w.to(torch.bfloat16).float()
+    y = torch.zeros(x.shape[0], w.shape[0])
+    for step in range(0, x.shape[1], 32):
+        even, odd = torch.zeros_like(y), torch.zeros_like(y)
+        for i in range(step, step + 32, 2):
+            even = even + x[:, i : i + 1] * w[:, i]
+            odd = odd + x[:, i + 1 : i + 2] * w[:, i + 1]
+        y = y + (even + odd)
+    return y + b
+
+
+@pytest.mark.parametrize("rows, k, n", SHAPES)
+def test_amx_code_sums_in_the_tiles_order_on_emulated_tiles(unit, rows, k, n):
+    """AMX's own code (its layout, strides, tile shapes, one or two tiles of rows and of panels) on tiles emulated
+    in plain C++, where every CPU runs it: the emulation sums as the instruction's reference says, so each output is
+    that order's sum bit for bit, and a slip of a stride or a tile would show as a sum of the wrong products."""
+    g = torch.Generator().manual_seed(rows * k + n)
+    x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    layer = cpu_linear.PanelLinear([w], b, compute="bf16")
+    assert unit("amx-emulated") == "amx-emulated"
+    assert torch.equal(layer(x), tile_order(x, w, b))
+
+
 def test_a_row_gives_the_same_bits_alone_and_in_any_batch(unit):
     g = torch.Generator().manual_seed(2)
     w, b, x = torch.randn(200, 96, generator=g), torch.randn(200, generator=g), torch.randn(70, 96, generator=g)
@@ -96,21 +130,21 @@ def test_the_best_unit_is_what_the_cpu_reports(unit):
     except (OSError, StopIteration):
         pytest.skip("no /proc/cpuinfo flags to compare with")
     if "avx512_bf16" in flags or "amx_bf16" in flags:
-        assert offered()[-1] in ("avx512-bf16", "amx")
+        assert best() in ("avx512-bf16", "amx")
     if "amx_bf16" not in flags:
-        assert offered()[-1] != "amx"
+        assert best() != "amx"
     if "avx512_bf16" not in flags and "amx_bf16" not in flags:
-        assert offered() == ["portable"]
+        assert best() == "portable"
 
 
 def test_units_refuse_what_the_cpu_does_not_offer(unit):
-    with pytest.raises(RuntimeError, match="one of portable, avx512-bf16, amx"):
+    with pytest.raises(RuntimeError, match="one of portable, avx512-bf16, amx, amx-emulated"):
         unit("avx512")
-    best = offered()[-1]
-    for name in UNITS[len(offered()):]:
-        with pytest.raises(RuntimeError, match=f"offers {best} at best"):
+    chosen = best()
+    for name in UNITS[UNITS.index(chosen) + 1 :]:
+        with pytest.raises(RuntimeError, match=f"offers {chosen} at best"):
             unit(name)
-    assert unit("portable") == "portable"
+    assert unit("portable") == "portable" and unit("amx-emulated") == "amx-emulated"
 
 
 def test_narrow_inputs_keep_fp32_rows_over_bf16_weights():
@@ -173,9 +207,10 @@ async def test_a_bf16_model_computes_in_bf16_by_default_where_the_cpu_has_a_matr
     assert bf16 != await engine_tokens(model, work, compute="fp32", speculative_tokens=0)  # (the rows' rounding shows)
     for each in offered():
         unit(each)
-        default = "fp32" if each == "portable" else "bf16"  # (plain C++ would be slower than fp32)
+        default = "bf16" if each in ("amx", "avx512-bf16") else "fp32"  # (plain C++ would be slower than fp32)
         assert Engine(model, config=EngineConfig(num_blocks=64)).config.compute == default, each
-    assert await engine_tokens(model, work, speculative_tokens=0) == bf16  # (the best unit: set back)
+    unit(best())
+    assert await engine_tokens(model, work, speculative_tokens=0) == bf16
     # not where the rows would lose more than the model's own precision, or where the decoder does not serve
     for other, fields in ((MODELS["llama"](), {}), (MODELS["llama"]().to(torch.float16), {}),
                           (model, {"fuse_cpu_layers": False}), (model, {"batch_invariant": True})):

@@ -12,6 +12,7 @@
 // - "amx": AMX-BF16 tiles, 32 rows x 32 outputs (two panels) a tile step of 32 inputs.
 // - "avx512-bf16": `vdpbf16ps`, one row at a time over two panels.
 // - "portable": plain C++ over the same layout (any CPU; slow, for correctness where neither is there).
+// - "amx-emulated": AMX's code on tiles emulated in plain C++ (any CPU; slow, for the tests, set by name only).
 // Every unit computes each row alone, its inputs in order (a pair at a time; within a pair, or a tile's step, in the
 // unit's own order), so a row's outputs do not depend on the other rows of its batch; the units agree to float
 // rounding (the products are exact in fp32: a bf16 value has 8 significant bits).
@@ -27,7 +28,7 @@
 
 constexpr int64_t BF16_BLOCK = 32;  // inputs a tile step (K a multiple of it)
 
-enum Bf16Unit : int64_t { BF16_PORTABLE = 0, BF16_AVX512 = 1, BF16_AMX = 2 };
+enum Bf16Unit : int64_t { BF16_PORTABLE = 0, BF16_AVX512 = 1, BF16_AMX = 2, BF16_AMX_EMULATED = 3 };
 
 static inline uint16_t bf16_of(float x) {  // to nearest even, as torch rounds (a NaN stays a NaN)
   uint32_t u;
@@ -93,7 +94,6 @@ static void portable_pair(const uint16_t* a, int64_t k, int64_t rows, const uint
 
 #if BF16_X86
 #define BF16_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-#define BF16_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
 // `portable_pair` through `vdpbf16ps` for up to ROWS rows: each row's pair of inputs broadcast against the
 // panels' 16 pairs, each panel's pairs loaded once for all the rows.
@@ -127,63 +127,177 @@ BF16_AVX512_TARGET static void avx512_pair(const uint16_t* a, int64_t k, int64_t
     avx512_tile<ROWS>(a + r * k, k, std::min<int64_t>(ROWS, rows - r), b0, b1, c + r * 2 * PANEL);
 }
 
-struct alignas(64) TileConfig {
+#endif
+
+// AMX: eight tile registers of up to 16 rows of 64 bytes, shaped by `ldtilecfg`; `tdpbf16ps c, a, b` adds to tile c
+// (M rows of N fp32 sums) the products of tile a (M rows of K pairs of bf16) and tile b (K rows of N pairs).
+// `amx_pair` is written once over these operations and runs on the CPU's tiles (`AmxTiles`) or on `EmulatedTiles`:
+// plain C++ doing what Intel's reference says each instruction does, the unit "amx-emulated" (offered on every CPU,
+// slow: the tests run AMX's own code, its layout, strides and tile shapes, where the CPU has no AMX).
+
+struct alignas(64) TileConfig {  // `ldtilecfg`'s 64 bytes (palette 1)
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
 
-// Every tile 16 rows of 64 bytes: 0-3 the sums (rows 0-15 / 16-31 x panel 0 / 1), 4-5 rows of a, 6-7 panels.
-BF16_AMX_TARGET static void amx_configure() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+// The tiles in plain C++. `tdpbf16ps` as Intel's reference (SDM, 2023 on) gives it: each output's products of even
+// and of odd inputs summed apart over the tile's K pairs (fused multiply-adds, rounded to nearest even; inputs
+// below fp32's normal range read as zero, results there flushed to zero), then the two sums added and that added to
+// the output. What the CPU would refuse (#UD: a tile not configured, shapes that do not chain) ends the process, as
+// the CPU's SIGILL would, with a line that says why.
+struct EmulatedTiles {
+  TileConfig shape;  // as configured (0 rows: a tile not configured)
+  alignas(64) uint8_t tile[8][16][64];
+
+  [[noreturn]] static void fault(const char* what) {
+    std::fprintf(stderr, "amx-emulated: %s would fault (#UD)\n", what);
+    std::abort();
+  }
+  static float daz(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x; }
+  bool usable(int t) const { return t >= 0 && t < 8 && shape.rows[t] > 0 && shape.colsb[t] > 0; }
+  float sum(int t, int r, int j) const {
+    float x;
+    std::memcpy(&x, tile[t][r] + 4 * j, 4);
+    return x;
+  }
+  float half(int t, int r, int i) const {  // the i-th bf16 of row r
+    uint16_t h;
+    std::memcpy(&h, tile[t][r] + 2 * i, 2);
+    return daz(float_of_bf16(h));
+  }
+
+  void configure(const TileConfig& config) {
+    if (config.palette != 1) fault("ldtilecfg (a palette other than 1)");
+    for (int t = 0; t < 8; ++t)
+      if (config.rows[t] > 16 || config.colsb[t] > 64 || config.colsb[t] % 4) fault("ldtilecfg (a tile's shape)");
+    shape = config;
+    std::memset(tile, 0, sizeof tile);
+  }
+  void release() { shape = TileConfig{}, shape.palette = 0; }
+  void zero(int t) {
+    if (!usable(t)) fault("tilezero (a tile not configured)");
+    std::memset(tile[t], 0, sizeof tile[t]);
+  }
+  void load(int t, const void* p, int64_t stride) {
+    if (!usable(t)) fault("tileloadd (a tile not configured)");
+    std::memset(tile[t], 0, sizeof tile[t]);
+    for (int r = 0; r < shape.rows[t]; ++r) std::memcpy(tile[t][r], (const char*)p + r * stride, shape.colsb[t]);
+  }
+  void store(int t, void* p, int64_t stride) const {
+    if (!usable(t)) fault("tilestored (a tile not configured)");
+    for (int r = 0; r < shape.rows[t]; ++r) std::memcpy((char*)p + r * stride, tile[t][r], shape.colsb[t]);
+  }
+  void dot(int c, int a, int b) {
+    if (!usable(c) || !usable(a) || !usable(b) || c == a || c == b || a == b) fault("tdpbf16ps (its tiles)");
+    const int m = shape.rows[c], k = shape.colsb[a] / 4, n = shape.colsb[c] / 4;
+    if (shape.rows[a] != m || shape.rows[b] != k || shape.colsb[b] != shape.colsb[c])
+      fault("tdpbf16ps (shapes that do not chain)");
+    for (int r = 0; r < m; ++r)
+      for (int j = 0; j < n; ++j) {
+        float even = 0, odd = 0;
+        for (int i = 0; i < k; ++i) {
+          even = daz(std::fma(half(a, r, 2 * i), half(b, i, 2 * j), even));
+          odd = daz(std::fma(half(a, r, 2 * i + 1), half(b, i, 2 * j + 1), odd));
+        }
+        const float y = daz(sum(c, r, j) + daz(even + odd));
+        std::memcpy(tile[c][r] + 4 * j, &y, 4);
+      }
+  }
+};
+
+#if BF16_X86
+// The CPU's tiles. An instruction names its tiles in the code (GCC's intrinsics are assembly with the number
+// written in): one case a tile, folded away where `amx_pair`'s literal numbers are inlined.
+#define AMX_EACH_TILE(t, OP, ...)                                                                                  \
+  switch (t) {                                                                                                     \
+    case 0: OP(0, ##__VA_ARGS__); break;                                                                           \
+    case 1: OP(1, ##__VA_ARGS__); break;                                                                           \
+    case 2: OP(2, ##__VA_ARGS__); break;                                                                           \
+    case 3: OP(3, ##__VA_ARGS__); break;                                                                           \
+    case 4: OP(4, ##__VA_ARGS__); break;                                                                           \
+    case 5: OP(5, ##__VA_ARGS__); break;                                                                           \
+    case 6: OP(6, ##__VA_ARGS__); break;                                                                           \
+    default: OP(7, ##__VA_ARGS__); break;                                                                          \
+  }
+
+struct AmxTiles {
   // (not `_tile_loadconfig`: GCC 12's tells the compiler it reads the first 8 bytes only, so the stores of the
   // rest may be dropped, the tiles left unconfigured, and the first tile instruction faults)
-  __asm__ volatile("ldtilecfg %0" : : "m"(config) : "memory");
-}
-
-// `portable_pair` through AMX tiles, rows 16 or 32 (a holds them, zeros past the batch's rows), 32 inputs a step.
-template <bool ROWS32, bool TWO>
-BF16_AMX_TARGET static void amx_pair(const uint16_t* a, int64_t k, const uint16_t* b0, const uint16_t* b1, float* c) {
-  _tile_zero(0);
-  if (TWO) _tile_zero(1);
-  if (ROWS32) _tile_zero(2);
-  if (ROWS32 && TWO) _tile_zero(3);
-  const int64_t lda = k * 2;
-  for (int64_t kb = 0; kb < k; kb += BF16_BLOCK) {
-    _tile_loadd(4, a + kb, lda);
-    _tile_loadd(6, b0 + kb * PANEL, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (TWO) {
-      _tile_loadd(7, b1 + kb * PANEL, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if (ROWS32) {
-      _tile_loadd(5, a + 16 * k + kb, lda);
-      _tile_dpbf16ps(2, 5, 6);
-      if (TWO) _tile_dpbf16ps(3, 5, 7);
-    }
+  static void configure(const TileConfig& config) { __asm__ volatile("ldtilecfg %0" : : "m"(config) : "memory"); }
+  static void release() { __asm__ volatile("tilerelease" ::: "memory"); }
+  __attribute__((always_inline)) static inline void zero(int t) { AMX_EACH_TILE(t, _tile_zero) }
+  __attribute__((always_inline)) static inline void load(int t, const void* p, int64_t stride) {
+    AMX_EACH_TILE(t, _tile_loadd, p, stride)
   }
-  _tile_stored(0, c, 2 * PANEL * 4);
-  if (TWO) _tile_stored(1, c + PANEL, 2 * PANEL * 4);
-  if (ROWS32) _tile_stored(2, c + 16 * 2 * PANEL, 2 * PANEL * 4);
-  if (ROWS32 && TWO) _tile_stored(3, c + 16 * 2 * PANEL + PANEL, 2 * PANEL * 4);
-}
-
-BF16_AMX_TARGET static void amx_release() { _tile_release(); }
+  __attribute__((always_inline)) static inline void store(int t, void* p, int64_t stride) {
+    AMX_EACH_TILE(t, _tile_stored, p, stride)
+  }
+  __attribute__((always_inline)) static inline void dot(int c, int a, int b) {  // the four products of `amx_pair`
+    if (c == 0 && a == 4 && b == 6) _tile_dpbf16ps(0, 4, 6);
+    else if (c == 1 && a == 4 && b == 7) _tile_dpbf16ps(1, 4, 7);
+    else if (c == 2 && a == 5 && b == 6) _tile_dpbf16ps(2, 5, 6);
+    else if (c == 3 && a == 5 && b == 7) _tile_dpbf16ps(3, 5, 7);
+    else __builtin_trap();
+  }
+};
+#undef AMX_EACH_TILE
 #endif
 
+// Every tile 16 rows of 64 bytes: 0-3 the sums (rows 0-15 / 16-31 x panel 0 / 1), 4-5 rows of a, 6-7 a step of the
+// panels (16 pairs of inputs x 16 outputs).
+template <class Tiles>
+static void amx_configure(Tiles& tiles) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  tiles.configure(config);
+}
+
+// `portable_pair` through tiles, rows 16 or 32 (a holds them, zeros past the batch's rows), 32 inputs a step.
+template <bool ROWS32, bool TWO, class Tiles>
+static inline void amx_pair(Tiles& t, const uint16_t* a, int64_t k, const uint16_t* b0, const uint16_t* b1, float* c) {
+  t.zero(0);
+  if (TWO) t.zero(1);
+  if (ROWS32) t.zero(2);
+  if (ROWS32 && TWO) t.zero(3);
+  const int64_t lda = k * 2;
+  for (int64_t kb = 0; kb < k; kb += BF16_BLOCK) {
+    t.load(4, a + kb, lda);
+    t.load(6, b0 + kb * PANEL, 64);
+    t.dot(0, 4, 6);
+    if (TWO) {
+      t.load(7, b1 + kb * PANEL, 64);
+      t.dot(1, 4, 7);
+    }
+    if (ROWS32) {
+      t.load(5, a + 16 * k + kb, lda);
+      t.dot(2, 5, 6);
+      if (TWO) t.dot(3, 5, 7);
+    }
+  }
+  t.store(0, c, 2 * PANEL * 4);
+  if (TWO) t.store(1, c + PANEL, 2 * PANEL * 4);
+  if (ROWS32) t.store(2, c + 16 * 2 * PANEL, 2 * PANEL * 4);
+  if (ROWS32 && TWO) t.store(3, c + 16 * 2 * PANEL + PANEL, 2 * PANEL * 4);
+}
+
+template <class Tiles>
+static void amx_rows(Tiles& t, const uint16_t* a, int64_t k, int64_t rows, const uint16_t* b0, const uint16_t* b1,
+                     float* c) {
+  if (rows > 16 && b1) amx_pair<true, true>(t, a, k, b0, b1, c);
+  else if (rows > 16) amx_pair<true, false>(t, a, k, b0, b1, c);
+  else if (b1) amx_pair<false, true>(t, a, k, b0, b1, c);
+  else amx_pair<false, false>(t, a, k, b0, b1, c);
+}
+
 // One unit of `vnni_rows`: rows [r, r + rows) (rows <= 32) of a through panels p and p + 1 (b1 null: p alone) into c.
-static void bf16_pair(int64_t unit, const uint16_t* a, int64_t k, int64_t rows, const uint16_t* b0, const uint16_t* b1,
-                      float* c) {
+static void bf16_pair(int64_t unit, EmulatedTiles& emulated, const uint16_t* a, int64_t k, int64_t rows,
+                      const uint16_t* b0, const uint16_t* b1, float* c) {
+  if (unit == BF16_AMX_EMULATED) return amx_rows(emulated, a, k, rows, b0, b1, c);
 #if BF16_X86
   if (unit == BF16_AMX) {
-    const int64_t tiles = (rows + 15) / 16;
-    if (tiles == 2 && b1) amx_pair<true, true>(a, k, b0, b1, c);
-    else if (tiles == 2) amx_pair<true, false>(a, k, b0, b1, c);
-    else if (b1) amx_pair<false, true>(a, k, b0, b1, c);
-    else amx_pair<false, false>(a, k, b0, b1, c);
-    return;
+    AmxTiles tiles;
+    return amx_rows(tiles, a, k, rows, b0, b1, c);
   }
   if (unit == BF16_AVX512) return avx512_pair(a, k, rows, b0, b1, c);
 #endif
@@ -200,8 +314,11 @@ static void vnni_rows(const float* xp, int64_t m, const Panels& w, float* yp, bo
   std::fill(a.get() + m * k, a.get() + mp * k, (uint16_t)0);
   const int64_t unit = bf16_chosen.load(std::memory_order_relaxed);
   parallel(pairs, 1, small, [&](int64_t begin, int64_t end) {
+    EmulatedTiles emulated;  // ("amx-emulated"'s tiles)
+    if (unit == BF16_AMX_EMULATED) amx_configure(emulated);
 #if BF16_X86
-    if (unit == BF16_AMX) amx_configure();
+    AmxTiles tiles;
+    if (unit == BF16_AMX) amx_configure(tiles);
 #endif
     alignas(64) float c[32 * 2 * PANEL];
     for (int64_t q = begin; q < end; ++q) {
@@ -210,7 +327,7 @@ static void vnni_rows(const float* xp, int64_t m, const Panels& w, float* yp, bo
       const uint16_t* b1 = p + 1 < panels ? b0 + k * PANEL : nullptr;
       for (int64_t r = 0; r < m; r += 32) {
         const int64_t rows = std::min<int64_t>(32, m - r);
-        bf16_pair(unit, a.get() + r * k, k, rows, b0, b1, c);
+        bf16_pair(unit, emulated, a.get() + r * k, k, rows, b0, b1, c);
         for (int64_t i = 0; i < rows; ++i) {
           float* t = c + i * 2 * PANEL;
           const float* b = w.bias ? w.bias + p * PANEL : nullptr;
@@ -228,7 +345,7 @@ static void vnni_rows(const float* xp, int64_t m, const Panels& w, float* yp, bo
       }
     }
 #if BF16_X86
-    if (unit == BF16_AMX) amx_release();
+    if (unit == BF16_AMX) tiles.release();
 #endif
   });
 }
@@ -253,16 +370,17 @@ torch::Tensor vnni_panels(torch::Tensor packed) {
   return packed.view({panels, k / 2, PANEL, 2});
 }
 
-static const char* const BF16_UNITS[] = {"portable", "avx512-bf16", "amx"};
+static const char* const BF16_UNITS[] = {"portable", "avx512-bf16", "amx", "amx-emulated"};
 
-// The unit bf16 compute runs on (by name); `set`: use that one instead (one the CPU offers, or a lesser), returning it.
+// The unit bf16 compute runs on (by name); `set`: use that one instead (one the CPU offers, a lesser, or
+// "amx-emulated"), returning it.
 std::string bf16_unit(c10::optional<std::string> set) {
   if (set.has_value()) {
     int64_t u = -1;
-    for (int64_t i = 0; i < 3; ++i)
+    for (int64_t i = 0; i < 4; ++i)
       if (*set == BF16_UNITS[i]) u = i;
-    TORCH_CHECK(u >= 0, "bf16_unit: one of portable, avx512-bf16, amx, not ", *set);
-    TORCH_CHECK(u <= bf16_best, "bf16_unit: this CPU (or its OS) offers ", BF16_UNITS[bf16_best], " at best, not ", *set);
+    TORCH_CHECK(u >= 0, "bf16_unit: one of portable, avx512-bf16, amx, amx-emulated, not ", *set);
+    TORCH_CHECK(u <= bf16_best || u == BF16_AMX_EMULATED, "bf16_unit: this CPU (or its OS) offers ", BF16_UNITS[bf16_best], " at best, not ", *set);
     bf16_chosen.store(u);
   }
   return BF16_UNITS[bf16_chosen.load()];
