@@ -188,6 +188,35 @@ def workload_gflop(model, work: Workload) -> float:
     return flops / 1e9
 
 
+def step_flop(f: dict, linear: int, head: int, attention: int) -> tuple[float, float]:
+    """A step's floating-point operations (`f`: its `profile.FEATURES` by name; `linear`: the decoder layers'
+    linear weights, `head`: the LM head's, `attention`: 2 x the multiply-adds of a query at one position): those of
+    the decoder layers' linears over its query tokens, and all the others (the LM head over the rows it samples,
+    attention, the draft's passes)."""
+    other = (2 * linear * f["draft_tokens"] + 2 * head * (f["sampled_rows"] + f["draft_tokens"])
+             + attention * (1e3 * (f["decode_kv_ktokens"] + f["draft_kv_ktokens"]) + 1e6 * f["prefill_attention_mtokens2"]))
+    return other, 2 * linear * f["query_tokens"]
+
+
+def prompt_step_rate(model, shapes: list[list[float]], seconds: list[float], least: int = 128) -> tuple[int, float]:
+    """The steps of a run that computed at least `least` query tokens (prompt chunks, with the decode rows beside
+    them) and no draft: how many, and their operations (`step_flop`) over the seconds their forwards took, in
+    GFLOP/s (0.0 where there were none)."""
+    from jitney.bench.profile import FEATURES
+
+    mc = model.config.get_text_config()
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    linear, head = linear_weights(model), mc.hidden_size * mc.vocab_size
+    attention = 4 * mc.num_hidden_layers * mc.num_attention_heads * head_dim
+    flop = took = 0.0
+    steps = 0
+    for shape, t in zip(shapes, seconds):
+        f = dict(zip(FEATURES, shape))
+        if f["query_tokens"] >= least and not f["draft_passes"]:
+            flop, took, steps = flop + sum(step_flop(f, linear, head, attention)), took + t, steps + 1
+    return steps, flop / took / 1e9 if took else 0.0
+
+
 def attainable_seconds(model, shapes: list[list[float]], gflops: float, gbps: float, weights: str | None,
                        kv_itemsize: float = 4, linear_gflops: float | None = None) -> float:
     """The roofline of the steps a run took (`profile.features` of each): a step takes at least its multiply-adds
@@ -212,9 +241,8 @@ def attainable_seconds(model, shapes: list[list[float]], gflops: float, gbps: fl
     total = 0.0
     for shape in shapes:
         f = dict(zip(FEATURES, shape))
-        flop = (2 * linear * f["draft_tokens"] + 2 * head * (f["sampled_rows"] + f["draft_tokens"])
-                + attention * (1e3 * (f["decode_kv_ktokens"] + f["draft_kv_ktokens"]) + 1e6 * f["prefill_attention_mtokens2"]))
-        seconds = flop / (gflops * 1e9) + 2 * linear * f["query_tokens"] / ((linear_gflops or gflops) * 1e9)
+        flop, linear_flop = step_flop(f, linear, head, attention)
+        seconds = flop / (gflops * 1e9) + linear_flop / ((linear_gflops or gflops) * 1e9)
         byte = read + f["draft_passes"] * draft + 1e3 * f["decode_kv_distinct_ktokens"] * kv_bytes
         total += max(seconds, byte / (gbps * 1e9))
     return total
@@ -327,7 +355,8 @@ def run_jitney_apart(model, tokenizer, work: Workload, args, **kw):
 def _jitney_child(args, work: Workload, kw: dict):
     model, tokenizer = load_bench_model(args)
     out, stats, wall = run_jitney(model, tokenizer, work, args, **kw)
-    stats.recorder = SimpleNamespace(shapes=stats.recorder.shapes)  # (the step shapes alone travel back)
+    # (the step shapes and times alone travel back)
+    stats.recorder = SimpleNamespace(shapes=stats.recorder.shapes, seconds=stats.recorder.seconds)
     return out, stats, wall
 
 
@@ -603,7 +632,8 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
             # (choosing tokens from whole logits: processors, a grammar's mask, draws, logprobs)
             row["sampling_ms_per_step"] = round(1000 * stats.sampling_s / max(1, stats.steps), 2)
             row |= {"eviction": stats.eviction, "scheduler": stats.scheduler, "blocks_evicted": stats.evicted,
-                    "step_shapes": stats.recorder.shapes, "weights": stats.weights,  # (set by `run_jitney`)
+                    "step_shapes": stats.recorder.shapes, "step_seconds": stats.recorder.seconds,
+                    "weights": stats.weights,  # (set by `run_jitney`)
                     "kv_itemsize": stats.kv_itemsize, "compute": stats.compute}
             if getattr(stats, "memory", None) is not None:  # (what the engine held, by part: `Engine.memory`)
                 row["memory_mib"] = {k: round(getattr(stats.memory, k) / 2**20, 1) for k in stats.memory.__struct_fields__}
@@ -636,9 +666,14 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
         roofline = row.get("gflop", gflop) / peak + (mine / bf16_peak - mine / peak if in_bf16 else 0.0)
         row["roofline_share"] = round(roofline / row["wall_s"], 3)
         if row.get("step_shapes"):
-            bound = attainable_seconds(model, row.pop("step_shapes"), peak, read, row.pop("weights"), row.pop("kv_itemsize"),
+            shapes = row.pop("step_shapes")
+            bound = attainable_seconds(model, shapes, peak, read, row.pop("weights"), row.pop("kv_itemsize"),
                                        bf16_peak if in_bf16 else None)
             row["attainable_share"] = round(bound / row["wall_s"], 3)
+            steps, rate = prompt_step_rate(model, shapes, row.pop("step_seconds"))
+            if steps:  # (against the peak its linears run at: most of a prompt step's work)
+                row |= {"prompt_steps": steps, "prompt_step_gflops": round(rate, 1),
+                        "prompt_step_share": round(rate / (bf16_peak if in_bf16 else peak), 3)}
         if len(work) == 1:  # one stream: bound by reading the weights each token, not by the matmuls
             row["weight_read_share"] = round(row["output_tok_s"] / weight_limit, 3)
         row["same_tokens_as_first"] = agreement(outputs[row["mode"]], base)
@@ -668,6 +703,13 @@ def main(args, peers: Mapping[str, Peer] = PEERS) -> int:
         print("share of the attainable (each step: its multiply-adds at the matmul peak or its weight and KV reads at "
               "the read rate, the longer): " + ", ".join(f"{row['mode']} {row['attainable_share']:.0%}" for row in measured
                                                           if "attainable_share" in row))
+    if any("prompt_steps" in row for row in measured):
+        def against(row):  # (the peak a row's linears run at)
+            return f"bf16 ({unit})" if row.get("compute") == "bf16" and bf16 else "fp32"
+        print("prompt steps (>= 128 query tokens, no draft), their operations over their forwards' time against the "
+              "peak their linears run at: " + ", ".join(
+                  f"{row['mode']} {row['prompt_steps']} steps at {row['prompt_step_gflops']:.0f} GFLOP/s, "
+                  f"{row['prompt_step_share']:.0%} of the {against(row)} peak" for row in measured if "prompt_steps" in row))
     if any("attention_share" in row for row in measured):
         print("share of the wall time in attention (jitney's one-call decoder): "
               + ", ".join(f"{row['mode']} {row['attention_share']:.0%}" for row in measured if "attention_share" in row))

@@ -165,8 +165,10 @@ def enter_cpu_paths(cfg: EngineConfig, model, store=None) -> list:
     fuse = fuse and (next(model.parameters()).dtype == torch.float32 or half_fused(cfg, model))
     quantized, compute = cfg.weights, cfg.compute or default_compute(cfg, model)
     if compute == "bf16":
-        unit = native.load().bf16_unit()
-        log.info("linear layers compute in bf16 on %s (%s)", unit, BF16_UNITS[unit])
+        kernels = native.load()
+        unit, why = kernels.bf16_unit(), kernels.bf16_why_not_amx()
+        log.info("linear layers compute in bf16 on %s (%s%s)", unit, BF16_UNITS[unit],
+                 f"; not AMX: {why}" if why and unit != "amx-emulated" else "")
     paths: list = []
     try:  # (each exits itself if it fails to enter, its weights put back)
         if fuse:

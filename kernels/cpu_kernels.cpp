@@ -4,6 +4,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -53,6 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels_w8a8", &pack_panels_w8a8);
   m.def("vnni_panels", &vnni_panels);
   m.def("bf16_unit", &bf16_unit, py::arg("set") = py::none());
+  m.def("bf16_why_not_amx", &bf16_why_not_amx);
   m.def("panel_linear", &panel_linear, py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("b"), py::arg("gated") = false,
         py::arg("act") = 0, nogil);
   m.def("rms_norm", &rms_norm, nogil);

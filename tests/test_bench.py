@@ -95,6 +95,27 @@ def test_the_attainable_bound_is_each_steps_compute_or_its_reads():
         (attention + 2 * linear * 256 / 4) / 1e9)
 
 
+def test_prompt_steps_rate_is_their_operations_over_their_time():
+    from jitney.bench.profile import FEATURES
+    from jitney.bench.run import prompt_step_rate
+
+    model = tiny_llama()
+    c = model.config
+    linear = sum(p.numel() for n, p in model.model.layers.named_parameters() if p.dim() == 2)
+    head_dim = c.hidden_size // c.num_attention_heads
+
+    def step(**f):
+        return [float(f.get(name, 0.0)) for name in FEATURES]
+
+    chunk = step(step=1, query_tokens=256, sampled_rows=2, prefill_attention_mtokens2=0.01)
+    flop = 2 * linear * 256 + 2 * c.hidden_size * c.vocab_size * 2 + 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * 1e4
+    decode = step(step=1, query_tokens=4, sampled_rows=4, decode_kv_ktokens=0.1)
+    drafted = step(step=1, query_tokens=200, sampled_rows=40, draft_passes=4, draft_tokens=160)
+    steps, rate = prompt_step_rate(model, [decode, chunk, drafted, chunk], [0.5, 2.0, 9.0, 2.0])
+    assert steps == 2 and rate == pytest.approx(2 * flop / 4.0 / 1e9)  # (the decode and the drafted step left out)
+    assert prompt_step_rate(model, [decode], [0.5]) == (0, 0.0)
+
+
 def test_bench_runs_jitney_over_a_bf16_or_int8_cache(tmp_path):
     import transformers as T
     from support import scaled_tiny

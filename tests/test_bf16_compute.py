@@ -132,7 +132,9 @@ def test_the_best_unit_is_what_the_cpu_reports(unit):
     if "avx512_bf16" in flags or "amx_bf16" in flags:
         assert best() in ("avx512-bf16", "amx")
     if "amx_bf16" not in flags:
-        assert best() != "amx"
+        assert best() != "amx" and native.load().bf16_why_not_amx() == "the CPU has no AMX-BF16"
+    else:  # (AMX, or why not: refused by the OS)
+        assert (best() == "amx") == (native.load().bf16_why_not_amx() == ""), native.load().bf16_why_not_amx()
     if "avx512_bf16" not in flags and "amx_bf16" not in flags:
         assert best() == "portable"
 
@@ -196,7 +198,9 @@ async def test_a_bf16_model_computes_on_the_one_call_decoder_as_its_fp32_copy_wo
     with caplog.at_level(logging.INFO, logger="jitney"):
         async with Engine(model, config=EngineConfig(compute="bf16", num_blocks=64)) as engine:
             assert engine.executor.decoder is not None
-    assert f"linear layers compute in bf16 on {native.load().bf16_unit()}" in caplog.text  # (which unit runs)
+    unit, why = native.load().bf16_unit(), native.load().bf16_why_not_amx()
+    assert f"linear layers compute in bf16 on {unit}" in caplog.text  # (which unit runs, and why not AMX)
+    assert (f"not AMX: {why}" in caplog.text) == (unit != "amx"), caplog.text
     assert await engine_tokens(model, work, compute="bf16", speculative_tokens=0) == rounded
 
 

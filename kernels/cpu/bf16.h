@@ -44,8 +44,12 @@ static inline float float_of_bf16(uint16_t h) {
   return x;
 }
 
+// Why AMX's tiles do not compute ("" where they do), in words: set as the kernels load.
+static std::string bf16_not_amx;
+
 // The best unit this CPU and OS offer.
 static Bf16Unit best_bf16_unit() {
+  bf16_not_amx = "the CPU has no AMX-BF16";
 #if BF16_X86
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return BF16_PORTABLE;
@@ -57,9 +61,14 @@ static Bf16Unit best_bf16_unit() {
   const bool osxsave = __get_cpuid(1, &a2, &b2, &c2, &d2) && (c2 & (1u << 27));  // (leaf 1's, not leaf 7's bit 27)
   if (osxsave) __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));  // the OS's enabled state
   const bool zmm = (lo & 0xe6u) == 0xe6u;  // the OS saves the 512-bit registers
+  if (amx && !(avx512 && zmm)) bf16_not_amx = "the OS does not enable AVX-512's registers";
   if (amx && avx512 && zmm) {
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0) return BF16_AMX;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0) {
+      bf16_not_amx.clear();
+      return BF16_AMX;
+    }
+    bf16_not_amx = std::string("the OS refused the tile state (arch_prctl: ") + std::strerror(errno) + ")";
   }
   if (avx512_bf16 && zmm) return BF16_AVX512;
 #endif
@@ -380,8 +389,12 @@ std::string bf16_unit(c10::optional<std::string> set) {
     for (int64_t i = 0; i < 4; ++i)
       if (*set == BF16_UNITS[i]) u = i;
     TORCH_CHECK(u >= 0, "bf16_unit: one of portable, avx512-bf16, amx, amx-emulated, not ", *set);
-    TORCH_CHECK(u <= bf16_best || u == BF16_AMX_EMULATED, "bf16_unit: this CPU (or its OS) offers ", BF16_UNITS[bf16_best], " at best, not ", *set);
+    TORCH_CHECK(u <= bf16_best || u == BF16_AMX_EMULATED, "bf16_unit: this CPU (or its OS) offers ",
+                BF16_UNITS[bf16_best], " at best, not ", *set);
     bf16_chosen.store(u);
   }
   return BF16_UNITS[bf16_chosen.load()];
 }
+
+// Why AMX's tiles do not compute on this CPU ("" where they do), in words.
+std::string bf16_why_not_amx() { return bf16_not_amx; }
