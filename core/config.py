@@ -96,7 +96,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     map them on a later start of the same weights instead of packing again: a second start in seconds where fresh
     memory is slow to touch (docs/benchmarks.md, "A second start"). The first start writes them on a thread of its
     own once the engine has started, and its exit waits for them (about the packed bytes again on disk; not where that
-    would leave less than 1 GiB free). On ext4 since Linux 6.16 the page cache maps them as huge pages, and decode
+    would leave less than 1 GiB free). The directory keeps within 32 GiB (`$JITNEY_PACKED_GIB`): the files used
+    longest ago are removed to make room for new ones. On ext4 since Linux 6.16 the page cache maps them as huge pages, and decode
     steps read them as fast; on a file system that keeps small pages, ~13% slower (docs/performance-notes.md).
     Delete the directory to take the disk space back."""
 

@@ -5,7 +5,8 @@ page cache, where fresh memory is slow to touch on some machines (docs/performan
 
 Files are written on a thread of their own once the engine has started and passed its check (`write_in_background`),
 each under a temporary name first, so a file that exists is whole; `close` finishes them at the engine's exit (or
-stops them, on an exit by an error).
+stops them, on an exit by an error). The directory keeps within `limit_bytes()`: before a start writes, the files used
+longest ago make room (a start that maps a file marks it used).
 """
 
 from __future__ import annotations
@@ -39,12 +40,29 @@ pages (ext4 since Linux 6.16: decode steps read those faster)."""
 SPARE = 2**30
 """Bytes of the disk left free: files that would leave less are not written."""
 
+LIMIT_GIB = 32.0
+"""GiB the directory's files may take, unless `$JITNEY_PACKED_GIB` says otherwise (`limit_bytes`): one 7B model's
+packed bf16 copies and int8 draft (~20 GiB) and a few smaller models'."""
+
 STALE_S = 3600
 """A half-written file untouched this long (seconds) was left by a process that died writing it."""
 
 _PIECE = 4 * 2**20
 
 MADV_POPULATE_READ = 22
+
+
+def limit_bytes() -> int:
+    """Bytes the packed weights' directory may take: `$JITNEY_PACKED_GIB` GiB, else `LIMIT_GIB`."""
+    given = os.environ.get("JITNEY_PACKED_GIB")
+    try:
+        gib = float(given) if given else LIMIT_GIB
+        if not gib >= 0:
+            raise ValueError
+    except ValueError:
+        log.warning("JITNEY_PACKED_GIB=%r is not a number of GiB; keeping within %.0f", given, LIMIT_GIB)
+        gib = LIMIT_GIB
+    return int(gib * 2**30)
 
 
 @functools.cache
@@ -71,10 +89,14 @@ def digest(t: torch.Tensor) -> bytes:
 class PackedStore:
     """Packed copies in `root`, one file each (see the module's docstring)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, limit: int | None = None):
         self.root = Path(root)
+        self.limit = limit_bytes() if limit is None else limit
+        """Bytes the directory's files may take (see `_prune`)."""
         self.mapped = 0
         """Bytes mapped from files."""
+        self.used: set[str] = set()
+        """The files mapped here (never removed to make room)."""
         self.pending: list[tuple[str, torch.Tensor]] = []
         """Packed copies made here and not yet written."""
         self.written = 0
@@ -143,6 +165,11 @@ class PackedStore:
         except OSError:  # (before Linux 5.14)
             pass
         self.mapped += nbytes
+        self.used.add(self.path(key).name)
+        try:  # (used now: the last to make room)
+            os.utime(self.path(key))
+        except OSError:
+            pass
         return torch.frombuffer(mapped, dtype=dtype, count=count, offset=HEADER).view(shape)
 
     def write_in_background(self) -> None:
@@ -152,10 +179,16 @@ class PackedStore:
         needed = sum(t.numel() * t.element_size() + 4096 for _, t in self.pending)  # (the headers' holes take none)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            self._prune()  # (first: the room they held counts as free)
+            held = self._prune(needed)  # (first: the room they held counts as free)
             free = shutil.disk_usage(self.root).free
         except OSError as e:
             log.warning("packed weights not written to %s: %s", self.root, e)
+            self.pending = []
+            return
+        if held + needed > self.limit:
+            log.warning("packed weights not written to %s: %.1f GiB would take it past its limit of %.1f GiB "
+                        "(JITNEY_PACKED_GIB), %.1f GiB held by files in use", self.root, needed / 2**30,
+                        self.limit / 2**30, held / 2**30)
             self.pending = []
             return
         if needed + SPARE > free:
@@ -168,14 +201,39 @@ class PackedStore:
         self.pending = []
         self._writer.start()
 
-    def _prune(self) -> None:
-        """Remove files half written by a process that died writing them (untouched for `STALE_S`)."""
+    def _prune(self, needed: int) -> int:
+        """Remove files half written by a process that died writing them (untouched for `STALE_S`), then, where the
+        files and `needed` bytes more would take more than `limit`, whole files, those used longest ago first (by
+        their times: written, or mapped by a start), never one mapped here; the bytes the files then take on disk."""
         for partial in self.root.glob("*.part"):
             try:
                 if time.time() - partial.stat().st_mtime > STALE_S:
                     partial.unlink()
             except OSError:  # (another process's, removed or renamed meanwhile)
                 pass
+        files = []
+        for path in self.root.glob("*.bin"):
+            try:
+                st = path.stat()
+            except OSError:  # (removed meanwhile)
+                continue
+            files.append((st.st_mtime, st.st_blocks * 512, path))  # (the header's hole takes no blocks)
+        held = sum(size for _, size, _ in files)
+        removed = freed = 0
+        for _, size, path in sorted(files):
+            if held + needed <= self.limit or needed > self.limit:  # (nothing removed for what could never fit)
+                break
+            if path.name in self.used:
+                continue
+            try:  # (a process that maps it keeps its pages; one that opens it next packs again)
+                path.unlink()
+            except OSError:
+                continue
+            held, freed, removed = held - size, freed + size, removed + 1
+        if removed:
+            log.info("removed %d packed weights files used longest ago from %s (%.1f GiB), keeping it within %.1f GiB",
+                     removed, self.root, freed / 2**30, self.limit / 2**30)
+        return held
 
     def _write(self, pending: list[tuple[str, torch.Tensor]], needed: int) -> None:
         try:

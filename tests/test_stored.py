@@ -176,3 +176,43 @@ def test_the_room_stale_files_held_counts_as_free(tmp_path, monkeypatch):
     store.write_in_background()
     store.close(finish=True)
     assert not stale.exists() and store.written == 64 * 4
+
+
+def written(root, limit: int, *keys: str, floats: int = 2**18) -> PackedStore:
+    """A store over `root` that wrote a tensor of `floats` floats for each of `keys`."""
+    store = PackedStore(root, limit=limit)
+    for key in keys:
+        store.fetch(key, lambda: torch.ones(floats))
+    store.write_in_background()
+    store.close(finish=True)
+    return store
+
+
+def test_the_directory_keeps_within_its_limit_the_files_used_longest_ago_removed_first(tmp_path, caplog):
+    one = 2**20  # (a file's bytes on disk: 2**18 floats after a header that is a hole)
+    written(tmp_path, 10 * one, "a", "b", "c")
+    for age, key in ((300, "a"), (200, "b"), (100, "c")):
+        os.utime(tmp_path / f"{key}.bin", (time.time() - age, time.time() - age))
+    assert PackedStore(tmp_path).load("a") is not None  # a start maps a: used now
+    caplog.set_level("INFO", logger="jitney.stored")
+    written(tmp_path, int(3.5 * one), "d")  # room for three files and a bit
+    assert sorted(p.stem for p in tmp_path.glob("*.bin")) == ["a", "c", "d"]  # b, used longest ago, made room
+    assert "removed 1 packed weights files used longest ago" in caplog.text
+    # a store that maps c never removes it, though it was used longest ago now
+    store = PackedStore(tmp_path, limit=int(2.5 * one))
+    assert store.load("c") is not None and store.fetch("e", lambda: torch.ones(2**18)) is not None
+    os.utime(tmp_path / "c.bin", (time.time() - 500, time.time() - 500))
+    store.write_in_background()
+    store.close(finish=True)
+    assert sorted(p.stem for p in tmp_path.glob("*.bin")) == ["c", "e"]
+
+
+def test_what_would_pass_the_limit_alone_is_not_written(tmp_path, caplog, monkeypatch):
+    written(tmp_path, 2**30, "a")
+    store = written(tmp_path, 2**19, "big")  # (more than the limit by itself)
+    assert store.written == 0 and not (tmp_path / "big.bin").exists() and (tmp_path / "a.bin").exists()
+    assert "would take it past its limit of 0.0 GiB" in caplog.text
+    monkeypatch.setenv("JITNEY_PACKED_GIB", "1.5")
+    assert PackedStore(tmp_path).limit == int(1.5 * 2**30)
+    monkeypatch.setenv("JITNEY_PACKED_GIB", "lots")
+    assert PackedStore(tmp_path).limit == 32 * 2**30 and "is not a number of GiB" in caplog.text
