@@ -186,8 +186,8 @@ class PackedStore:
             self.pending = []
             return
         if held + needed > self.limit:
-            log.warning("packed weights not written to %s: %.1f GiB would take it past its limit of %.1f GiB "
-                        "(JITNEY_PACKED_GIB), %.1f GiB held by files in use", self.root, needed / 2**30,
+            log.warning("packed weights not written to %s: %.2f GiB more would take it past its limit of %.2f GiB "
+                        "(JITNEY_PACKED_GIB; files kept there: %.2f GiB)", self.root, needed / 2**30,
                         self.limit / 2**30, held / 2**30)
             self.pending = []
             return
@@ -204,7 +204,8 @@ class PackedStore:
     def _prune(self, needed: int) -> int:
         """Remove files half written by a process that died writing them (untouched for `STALE_S`), then, where the
         files and `needed` bytes more would take more than `limit`, whole files, those used longest ago first (by
-        their times: written, or mapped by a start), never one mapped here; the bytes the files then take on disk."""
+        their times: written, or mapped by a start), never one mapped here, and none where what is written would not
+        fit beside those; the bytes the files then take on disk."""
         for partial in self.root.glob("*.part"):
             try:
                 if time.time() - partial.stat().st_mtime > STALE_S:
@@ -219,9 +220,10 @@ class PackedStore:
                 continue
             files.append((st.st_mtime, st.st_blocks * 512, path))  # (the header's hole takes no blocks)
         held = sum(size for _, size, _ in files)
+        kept = sum(size for _, size, path in files if path.name in self.used)
         removed = freed = 0
         for _, size, path in sorted(files):
-            if held + needed <= self.limit or needed > self.limit:  # (nothing removed for what could never fit)
+            if held + needed <= self.limit or kept + needed > self.limit:  # (nothing removed for what cannot fit)
                 break
             if path.name in self.used:
                 continue

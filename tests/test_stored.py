@@ -211,7 +211,15 @@ def test_what_would_pass_the_limit_alone_is_not_written(tmp_path, caplog, monkey
     written(tmp_path, 2**30, "a")
     store = written(tmp_path, 2**19, "big")  # (more than the limit by itself)
     assert store.written == 0 and not (tmp_path / "big.bin").exists() and (tmp_path / "a.bin").exists()
-    assert "would take it past its limit of 0.0 GiB" in caplog.text
+    assert "would take it past its limit of 0.00 GiB" in caplog.text
+    # what would fit the limit alone but not beside the files a store maps: nothing removed either
+    store = PackedStore(tmp_path, limit=int(1.5 * 2**20))
+    assert store.load("a") is not None and store.fetch("b", lambda: torch.ones(2**18)) is not None
+    (tmp_path / "c.bin").write_bytes(b"\0" * 2**19)  # (a file of another model's, used longest ago)
+    os.utime(tmp_path / "c.bin", (time.time() - 500, time.time() - 500))
+    store.write_in_background()
+    store.close(finish=True)
+    assert (tmp_path / "c.bin").exists() and not (tmp_path / "b.bin").exists() and store.written == 0
     monkeypatch.setenv("JITNEY_PACKED_GIB", "1.5")
     assert PackedStore(tmp_path).limit == int(1.5 * 2**30)
     monkeypatch.setenv("JITNEY_PACKED_GIB", "lots")

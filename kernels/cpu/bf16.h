@@ -163,7 +163,7 @@ struct EmulatedTiles {
     std::fprintf(stderr, "amx-emulated: %s would fault (#UD)\n", what);
     std::abort();
   }
-  static float daz(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x; }
+  static float flushed(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x; }  // to 0
   bool usable(int t) const { return t >= 0 && t < 8 && shape.rows[t] > 0 && shape.colsb[t] > 0; }
   float sum(int t, int r, int j) const {
     float x;
@@ -173,7 +173,7 @@ struct EmulatedTiles {
   float half(int t, int r, int i) const {  // the i-th bf16 of row r
     uint16_t h;
     std::memcpy(&h, tile[t][r] + 2 * i, 2);
-    return daz(float_of_bf16(h));
+    return flushed(float_of_bf16(h));
   }
 
   void configure(const TileConfig& config) {
@@ -183,7 +183,10 @@ struct EmulatedTiles {
     shape = config;
     std::memset(tile, 0, sizeof tile);
   }
-  void release() { shape = TileConfig{}, shape.palette = 0; }
+  void release() {  // (every tile unconfigured again)
+    shape = TileConfig{};
+    shape.palette = 0;
+  }
   void zero(int t) {
     if (!usable(t)) fault("tilezero (a tile not configured)");
     std::memset(tile[t], 0, sizeof tile[t]);
@@ -206,10 +209,10 @@ struct EmulatedTiles {
       for (int j = 0; j < n; ++j) {
         float even = 0, odd = 0;
         for (int i = 0; i < k; ++i) {
-          even = daz(std::fma(half(a, r, 2 * i), half(b, i, 2 * j), even));
-          odd = daz(std::fma(half(a, r, 2 * i + 1), half(b, i, 2 * j + 1), odd));
+          even = flushed(std::fma(half(a, r, 2 * i), half(b, i, 2 * j), even));
+          odd = flushed(std::fma(half(a, r, 2 * i + 1), half(b, i, 2 * j + 1), odd));
         }
-        const float y = daz(sum(c, r, j) + daz(even + odd));
+        const float y = flushed(sum(c, r, j) + flushed(even + odd));
         std::memcpy(tile[c][r] + 4 * j, &y, 4);
       }
   }
