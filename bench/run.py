@@ -188,32 +188,37 @@ def workload_gflop(model, work: Workload) -> float:
     return flops / 1e9
 
 
-def step_flop(f: dict, linear: int, head: int, attention: int) -> tuple[float, float]:
-    """A step's floating-point operations (`f`: its `profile.FEATURES` by name; `linear`: the decoder layers'
-    linear weights, `head`: the LM head's, `attention`: 2 x the multiply-adds of a query at one position): those of
-    the decoder layers' linears over its query tokens, and all the others (the LM head over the rows it samples,
-    attention, the draft's passes)."""
-    other = (2 * linear * f["draft_tokens"] + 2 * head * (f["sampled_rows"] + f["draft_tokens"])
-             + attention * (1e3 * (f["decode_kv_ktokens"] + f["draft_kv_ktokens"]) + 1e6 * f["prefill_attention_mtokens2"]))
-    return other, 2 * linear * f["query_tokens"]
-
-
-def prompt_step_rate(model, shapes: list[list[float]], seconds: list[float], least: int = 128) -> tuple[int, float]:
-    """The steps of a run that computed at least `least` query tokens (prompt chunks, with the decode rows beside
-    them) and no draft: how many, and their operations (`step_flop`) over the seconds their forwards took, in
-    GFLOP/s (0.0 where there were none)."""
+def step_flops(model, shapes: list[list[float]]) -> list[tuple[float, float]]:
+    """Each step's floating-point operations (`shapes`: `profile.features` of each): all but the decoder layers'
+    linears' (the LM head over the rows it samples, attention, the draft's passes), and those linears' over its
+    query tokens."""
     from jitney.bench.profile import FEATURES
 
     mc = model.config.get_text_config()
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     linear, head = linear_weights(model), mc.hidden_size * mc.vocab_size
-    attention = 4 * mc.num_hidden_layers * mc.num_attention_heads * head_dim
+    attention = 4 * mc.num_hidden_layers * mc.num_attention_heads * head_dim  # multiply-adds x 2 per query and position
+    flops = []
+    for shape in shapes:
+        f = dict(zip(FEATURES, shape))
+        other = (2 * linear * f["draft_tokens"] + 2 * head * (f["sampled_rows"] + f["draft_tokens"]) + attention
+                 * (1e3 * (f["decode_kv_ktokens"] + f["draft_kv_ktokens"]) + 1e6 * f["prefill_attention_mtokens2"]))
+        flops.append((other, 2 * linear * f["query_tokens"]))
+    return flops
+
+
+def prompt_step_rate(model, shapes: list[list[float]], seconds: list[float], least: int = 128) -> tuple[int, float]:
+    """The steps of a run that computed at least `least` query tokens (prompt chunks, with the decode rows beside
+    them) and no draft: how many, and their operations (`step_flops`) over the seconds their forwards took, in
+    GFLOP/s (0.0 where there were none)."""
+    from jitney.bench.profile import FEATURES
+
     flop = took = 0.0
     steps = 0
-    for shape, t in zip(shapes, seconds):
+    for shape, t, both in zip(shapes, seconds, step_flops(model, shapes)):
         f = dict(zip(FEATURES, shape))
         if f["query_tokens"] >= least and not f["draft_passes"]:
-            flop, took, steps = flop + sum(step_flop(f, linear, head, attention)), took + t, steps + 1
+            flop, took, steps = flop + sum(both), took + t, steps + 1
     return steps, flop / took / 1e9 if took else 0.0
 
 
@@ -232,16 +237,12 @@ def attainable_seconds(model, shapes: list[list[float]], gflops: float, gbps: fl
     heads, layers = mc.num_attention_heads, mc.num_hidden_layers
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
     kv_heads = getattr(mc, "num_key_value_heads", None) or heads
-    linear = linear_weights(model)
-    head = mc.hidden_size * mc.vocab_size
-    attention = 4 * layers * heads * head_dim  # multiply-adds x 2 per query and position
     kv_bytes = 2 * layers * kv_heads * head_dim * kv_itemsize
     read = weight_bytes(model) * {"int8": 0.25, "w8a8": 0.25, "bf16": 0.5}.get(weights, 1.0)
     draft = weight_bytes(model) * 0.25 * (4 / next(model.parameters()).element_size())
     total = 0.0
-    for shape in shapes:
+    for shape, (flop, linear_flop) in zip(shapes, step_flops(model, shapes)):
         f = dict(zip(FEATURES, shape))
-        flop, linear_flop = step_flop(f, linear, head, attention)
         seconds = flop / (gflops * 1e9) + linear_flop / ((linear_gflops or gflops) * 1e9)
         byte = read + f["draft_passes"] * draft + 1e3 * f["decode_kv_distinct_ktokens"] * kv_bytes
         total += max(seconds, byte / (gbps * 1e9))

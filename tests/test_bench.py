@@ -108,7 +108,8 @@ def test_prompt_steps_rate_is_their_operations_over_their_time():
         return [float(f.get(name, 0.0)) for name in FEATURES]
 
     chunk = step(step=1, query_tokens=256, sampled_rows=2, prefill_attention_mtokens2=0.01)
-    flop = 2 * linear * 256 + 2 * c.hidden_size * c.vocab_size * 2 + 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * 1e4
+    flop = (2 * linear * 256 + 2 * c.hidden_size * c.vocab_size * 2
+            + 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * 1e4)
     decode = step(step=1, query_tokens=4, sampled_rows=4, decode_kv_ktokens=0.1)
     drafted = step(step=1, query_tokens=200, sampled_rows=40, draft_passes=4, draft_tokens=160)
     steps, rate = prompt_step_rate(model, [decode, chunk, drafted, chunk], [0.5, 2.0, 9.0, 2.0])
